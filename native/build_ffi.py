@@ -1,0 +1,70 @@
+"""cffi builder for retrograd._native: compiles native/*.c against vendor/llama.cpp's headers and
+links them to the libggml* that llama-cpp-python installed, so the process holds one ggml.
+
+The cdef is the block of native/retrograd.h between RG_CDEF_BEGIN and RG_CDEF_END, plus the
+one Python callback the engine calls back into.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from cffi import FFI
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+VENDOR = ROOT / "vendor" / "llama.cpp"
+
+
+def llama_cpp_lib_dir() -> Path:
+    """The directory holding llama-cpp-python's libggml*.so, found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("error: llama-cpp-python is not installed in this environment; "
+                 "install it first (see README: scripts/setup.sh)")
+    lib = Path(list(spec.submodule_search_locations)[0]) / "lib"
+    if not (lib / "libggml-base.so").exists() and not (lib / "libggml-base.dylib").exists():
+        sys.exit(f"error: {lib} has no libggml-base; llama-cpp-python was built without shared ggml")
+    return lib
+
+
+def cdef_text() -> str:
+    header = (HERE / "retrograd.h").read_text()
+    begin = header.index("/* RG_CDEF_BEGIN */") + len("/* RG_CDEF_BEGIN */")
+    end = header.index("/* RG_CDEF_END */")
+    return header[begin:end] + """
+extern "Python" int rg_py_coeff(void *, int32_t, const float *, const float *, float *,
+                                int32_t, int32_t, const float *, float *);
+"""
+
+
+def make_ffi() -> FFI:
+    if not (VENDOR / "ggml" / "include" / "ggml.h").exists():
+        sys.exit("error: vendor/llama.cpp is missing; run: python scripts/fetch_vendor.py")
+    lib = llama_cpp_lib_dir()
+    ffi = FFI()
+    ffi.cdef(cdef_text())
+    # setuptools insists on paths relative to setup.py
+    sources = sorted(os.path.relpath(p, ROOT) for p in HERE.glob("*.c"))
+    extra_compile = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    if os.environ.get("RETRO_NATIVE_DEBUG"):
+        extra_compile = ["-O0", "-g", "-std=c11", "-D_GNU_SOURCE", "-Wall"]
+    ffi.set_source(
+        "retrograd._native",
+        '#include "retrograd.h"\n',
+        sources=sources,
+        include_dirs=[str(HERE), str(VENDOR / "ggml" / "include")],
+        library_dirs=[str(lib)],
+        libraries=["ggml", "ggml-base", "ggml-cpu"],
+        extra_compile_args=extra_compile,
+        extra_link_args=[f"-Wl,-rpath,{lib}"],
+    )
+    return ffi
+
+
+ffibuilder = make_ffi()
+

@@ -1,0 +1,608 @@
+/*
+ * engine.c - forward, backward and AdamW for LoRA on a quantized model.
+ *
+ * A training micro-batch is one ggml graph: the trunk up to the final hidden state h, a
+ * surrogate loss sum(h * G) where G is an input, and ggml's backward of that loss. The graph
+ * runs under a backend scheduler whose eval callback stops right after h: there the LM head
+ * (head.c) computes log-probs, the caller turns them into coefficients, and the head writes
+ * G = d(loss)/d(h); then the scheduler carries on with the backward.
+ *
+ * After ggml_build_backward_expand, every OUT_PROD(W, transpose(dy)) whose W is a frozen base
+ * weight is rewritten into MUL_MAT(cont(transpose(cast(W, F32))), dy): the same numbers, but
+ * through the fast matmul kernel instead of ggml's OUT_PROD on quantized data (10-15x slower on
+ * the CPU, see DESIGN.md). The dequantized copy is a transient the allocator frees right away.
+ */
+#include "rg_internal.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct rg_engine {
+    rg_model           * model;
+    ggml_backend_sched_t sched;
+    ggml_gallocr_t       opt_galloc;
+    rg_head            * head;
+    size_t               head_budget;
+    void               * ctx_mem;
+    size_t               ctx_mem_size;
+    size_t               graph_size;
+    bool                 exact_ops;
+    int                  matmul_mode;
+    bool                 profiling;
+    double               prof_ms[GGML_OP_COUNT + GGML_UNARY_OP_COUNT];
+    int                  prof_n[GGML_OP_COUNT + GGML_UNARY_OP_COUNT];
+    double               prof_last;
+    rg_timings           timings;
+};
+
+/* state of one accumulate() call, visible to the eval callback */
+typedef struct {
+    rg_engine          * e;
+    const rg_batch     * batch;
+    int32_t              n_real;      /* rows before padding */
+    struct ggml_tensor * hidden;
+    struct ggml_tensor * grad_hidden;
+    rg_coeff_fn          fn;
+    void               * user;
+    int                  want_entropy, want_hidden;
+    float              * logp;
+    rg_status            status;
+    double               t_start, t_hidden;
+    char                 error[1024];
+} rg_run;
+
+static size_t graph_size_for(const rg_model * m) {
+    return 4096 + (size_t) m->hp.n_layer * 1024;
+}
+
+rg_status rg_engine_init(rg_model * model, rg_engine ** out) {
+    *out = NULL;
+    rg_engine * e = calloc(1, sizeof(*e));
+    e->model = model;
+    e->graph_size = graph_size_for(model);
+    e->head_budget = (size_t) 512 << 20;
+    ggml_backend_t backends[2] = { model->backend, model->backend_cpu };
+    const int n_backends = model->backend_cpu != model->backend ? 2 : 1;
+    e->sched = ggml_backend_sched_new(backends, NULL, n_backends, e->graph_size, false, false);
+    if (!e->sched) {
+        free(e);
+        return rg_fail(RG_ERR_DEVICE, "could not create the backend scheduler");
+    }
+    e->opt_galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(model->backend));
+    e->head = rg_head_new(model);
+    /* tensors and graphs of one build: forward + backward + rewrite */
+    e->ctx_mem_size = ggml_tensor_overhead() * e->graph_size * 4 + ggml_graph_overhead_custom(e->graph_size, true) * 2;
+    e->ctx_mem = malloc(e->ctx_mem_size);
+    *out = e;
+    return RG_OK;
+}
+
+void rg_engine_free(rg_engine * e) {
+    if (!e) return;
+    rg_head_free(e->head);
+    ggml_gallocr_free(e->opt_galloc);
+    ggml_backend_sched_free(e->sched);
+    free(e->ctx_mem);
+    free(e);
+}
+
+void rg_engine_set_matmul_mode(rg_engine * e, int mode) { e->matmul_mode = mode; }
+
+void rg_engine_set_exact_ops(rg_engine * e, int on) { e->exact_ops = on != 0; }
+
+void rg_engine_set_head_budget(rg_engine * e, size_t bytes) { e->head_budget = bytes; }
+
+void rg_engine_get_timings(const rg_engine * e, rg_timings * out) { *out = e->timings; }
+
+static rg_status check_batch(const rg_model * m, const rg_batch * b) {
+    if (!b || b->n_tokens <= 0) return rg_fail(RG_ERR_ARG, "empty batch");
+    if (b->n_targets < 0) return rg_fail(RG_ERR_ARG, "negative target count");
+    for (int i = 0; i < b->n_tokens; i++) {
+        if (b->tokens[i] < 0 || b->tokens[i] >= m->hp.n_vocab) {
+            return rg_fail(RG_ERR_ARG, "token %d at row %d is outside the vocabulary of %d", b->tokens[i], i, m->hp.n_vocab);
+        }
+        if (b->positions[i] < 0) return rg_fail(RG_ERR_ARG, "negative position at row %d", i);
+    }
+    return RG_OK;
+}
+
+/* Micro-batches are padded to a multiple of RG_PAD_TOKENS rows, each pad row a sequence of its
+ * own. The attention matmuls then see the same row lengths llama.cpp's padded KV cache gives
+ * them, so the same SIMD summation order: without it, rounding differences get amplified by the
+ * 8-bit activation quantization of later matmuls into ~0.03 nats of per-token noise. */
+#define RG_PAD_TOKENS 32
+
+typedef struct {
+    rg_batch  b;
+    int32_t * owned;
+} rg_padded;
+
+static void pad_batch(const rg_batch * in, rg_padded * out) {
+    out->b = *in;
+    out->owned = NULL;
+    const int T = in->n_tokens;
+    const int Tp = (T + RG_PAD_TOKENS - 1) / RG_PAD_TOKENS * RG_PAD_TOKENS;
+    if (Tp == T) return;
+    out->owned = malloc(sizeof(int32_t) * 3 * (size_t) Tp);
+    int32_t * tok = out->owned, * pos = tok + Tp, * seq = pos + Tp;
+    int32_t min_seq = 0;
+    for (int i = 0; i < T; i++) {
+        tok[i] = in->tokens[i];
+        pos[i] = in->positions[i];
+        seq[i] = in->seq_ids[i];
+        if (seq[i] < min_seq) min_seq = seq[i];
+    }
+    for (int i = T; i < Tp; i++) {
+        tok[i] = 0;
+        pos[i] = 0;
+        seq[i] = min_seq - 1 - (i - T);
+    }
+    out->b.n_tokens = Tp;
+    out->b.tokens = tok;
+    out->b.positions = pos;
+    out->b.seq_ids = seq;
+}
+
+/* ---- graph building ------------------------------------------------------------------------ */
+typedef struct {
+    struct ggml_context * ctx;
+    struct ggml_cgraph  * gf;
+    rg_graph_build        b;
+    struct ggml_tensor  * grad_hidden;
+    struct ggml_tensor  * loss_grad;
+} rg_built;
+
+static struct ggml_tensor * grad_of_param(const rg_lora * l, const struct ggml_tensor * t) {
+    for (int p = 0; p < l->n_pairs; p++) {
+        if (l->pairs[p].a.t[RG_SLOT_PARAM] == t) return l->pairs[p].a.t[RG_SLOT_GRAD];
+        if (l->pairs[p].b.t[RG_SLOT_PARAM] == t) return l->pairs[p].b.t[RG_SLOT_GRAD];
+    }
+    return NULL;
+}
+
+static bool is_base_weight(const rg_model * m, const struct ggml_tensor * t) {
+    return t->op == GGML_OP_NONE && t->buffer == m->wbuf;
+}
+
+/* the base weight a tensor was converted from (through casts), or NULL */
+static struct ggml_tensor * base_weight_of(const rg_model * m, struct ggml_tensor * t) {
+    while (t && !is_base_weight(m, t)) {
+        if (t->op != GGML_OP_CPY && t->op != GGML_OP_DUP && t->op != GGML_OP_CONT) return NULL;
+        t = t->src[0];
+    }
+    return t;
+}
+
+/* Two rewrites of the graph after ggml_build_backward_expand:
+ *  - OUT_PROD(W, transpose(dy)) for a frozen base weight W becomes
+ *    MUL_MAT(cont(transpose(cast(W, F32))), dy);
+ *  - consumers of a composite op listed in b->subst_from read the fused op instead.
+ * The nodes are then re-expanded into a fresh graph so new sources precede their users. */
+static bool is_dead(const rg_graph_build * b, const struct ggml_tensor * t) {
+    for (int i = 0; i < b->n_subst; i++) if (b->subst_from[i] == t) return true;
+    return false;
+}
+
+static struct ggml_cgraph * rewrite(rg_engine * e, rg_graph_build * b, struct ggml_cgraph * gf) {
+    struct ggml_context * ctx = b->ctx;
+    const int n = ggml_graph_n_nodes(gf);
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * node = ggml_graph_node(gf, i);
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            for (int k = 0; k < b->n_subst; k++) {
+                if (node->src[j] == b->subst_from[k] && node != b->subst_to[k]) node->src[j] = b->subst_to[k];
+            }
+        }
+        if (node->op != GGML_OP_OUT_PROD) continue;
+        /* out_prod(a [n, m], b [p, m]) = mul_mat(a^T [m, n], b^T [m, p]); ggml's OUT_PROD kernel is
+         * slow on the CPU for every type, the matmul kernels are not */
+        struct ggml_tensor * a = node->src[0], * bt = node->src[1];
+        struct ggml_tensor * w = base_weight_of(e->model, a);
+        /* a transposed copy of an activation only pays off when the product is large against
+         * it (attention); small LoRA products stay OUT_PROD */
+        const double macs = (double) node->ne[0] * node->ne[1] * node->ne[2] * node->ne[3] * a->ne[1];
+        const double copied = (w ? 0 : (double) ggml_nelements(a)) + (bt->op == GGML_OP_TRANSPOSE ? 0 : (double) ggml_nelements(bt));
+        if (copied > 0 && macs < 64.0 * copied) continue;
+        struct ggml_tensor * x;
+        if (w && w->type != GGML_TYPE_F32) {
+            /* a frozen base weight: dequantize, transpose to F16 (transient, freed after use);
+             * F16 halves the copy and doubles the matmul speed against F32 (DESIGN.md) */
+            struct ggml_tensor * f16 = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, w->ne[1], w->ne[0]);
+            struct ggml_tensor * src = w->type == GGML_TYPE_F16 ? w : ggml_cast(ctx, w, GGML_TYPE_F32);
+            x = ggml_cpy(ctx, ggml_transpose(ctx, src), f16);
+            ggml_format_name(x, "%s (transposed, f16)", w->name);
+        } else if (w) {
+            x = ggml_cont(ctx, ggml_transpose(ctx, w));
+        } else {
+            x = ggml_cont(ctx, ggml_transpose(ctx, a));
+        }
+        struct ggml_tensor * y = bt->op == GGML_OP_TRANSPOSE ? bt->src[0] : ggml_cont(ctx, ggml_transpose(ctx, bt));
+        if (x->ne[0] != y->ne[0] || node->ne[0] != x->ne[1] || node->ne[1] != y->ne[1] ||
+            node->ne[2] != y->ne[2] || node->ne[3] != y->ne[3] || y->ne[2] % x->ne[2] != 0 ||
+            y->nb[0] != sizeof(float)) {
+            continue;   /* not a shape mul_mat can express: keep the OUT_PROD */
+        }
+        node->op = GGML_OP_MUL_MAT;
+        memset(node->op_params, 0, sizeof(node->op_params));
+        node->src[0] = x;
+        node->src[1] = y;
+    }
+    struct ggml_cgraph * g2 = ggml_new_graph_custom(ctx, e->graph_size, false);
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * node = ggml_graph_node(gf, i);
+        if (!is_dead(b, node)) ggml_build_forward_expand(g2, node);
+    }
+    return g2;
+}
+
+static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, bool train, rg_built * o) {
+    const double t0 = rg_now_ms();
+    memset(o, 0, sizeof(*o));
+    struct ggml_init_params ip = { e->ctx_mem_size, e->ctx_mem, true };
+    o->ctx = ggml_init(ip);
+    o->b.model = e->model;
+    o->b.lora = lora;
+    o->b.ctx = o->ctx;
+    o->b.n_tokens = n_tokens;
+    o->b.train = train;
+    o->b.exact_ops = e->exact_ops;
+    o->b.matmul_mode = e->matmul_mode;
+    if (!rg_build_trunk(&o->b)) {
+        ggml_free(o->ctx);
+        return rg_fail(RG_ERR_COMPUTE, "%s", o->b.error);
+    }
+    struct ggml_tensor * hidden = o->b.hidden;
+    if (!train) {
+        ggml_set_output(hidden);
+        o->gf = ggml_new_graph_custom(o->ctx, e->graph_size, false);
+        ggml_build_forward_expand(o->gf, hidden);
+        e->timings.build_ms += rg_now_ms() - t0;
+        return RG_OK;
+    }
+    o->grad_hidden = ggml_new_tensor_2d(o->ctx, GGML_TYPE_F32, e->model->hp.n_embd, n_tokens);
+    ggml_set_name(o->grad_hidden, "grad_hidden");
+    ggml_set_input(o->grad_hidden);
+    struct ggml_tensor * loss = ggml_sum(o->ctx, ggml_mul(o->ctx, hidden, o->grad_hidden));
+    ggml_set_name(loss, "surrogate_loss");
+    ggml_set_loss(loss);
+    struct ggml_cgraph * gf = ggml_new_graph_custom(o->ctx, e->graph_size, true);
+    ggml_build_forward_expand(gf, loss);
+    const int n_fwd = ggml_graph_n_nodes(gf);
+    struct ggml_tensor ** accs = calloc((size_t) n_fwd, sizeof(*accs));
+    int n_params = 0;
+    for (int i = 0; i < n_fwd; i++) {
+        struct ggml_tensor * node = ggml_graph_node(gf, i);
+        if (node->flags & GGML_TENSOR_FLAG_PARAM) {
+            accs[i] = grad_of_param(lora, node);
+            n_params += accs[i] != NULL;
+        }
+    }
+    if (n_params == 0) {
+        free(accs);
+        ggml_free(o->ctx);
+        return rg_fail(RG_ERR_ARG, "the LoRA adapter has no tensor in this model's graph");
+    }
+    ggml_build_backward_expand(o->ctx, gf, accs);
+    free(accs);
+    o->loss_grad = ggml_graph_get_grad_acc(gf, loss);
+    ggml_set_input(o->loss_grad);
+    o->gf = rewrite(e, &o->b, gf);
+    e->timings.build_ms += rg_now_ms() - t0;
+    return RG_OK;
+}
+
+static rg_status alloc_and_set_inputs(rg_engine * e, rg_built * o, const rg_batch * batch) {
+    const double t0 = rg_now_ms();
+    ggml_backend_sched_reset(e->sched);
+    if (o->grad_hidden) ggml_backend_sched_set_tensor_backend(e->sched, o->grad_hidden, e->model->backend);
+    if (!ggml_backend_sched_alloc_graph(e->sched, o->gf)) {
+        return rg_fail(RG_ERR_COMPUTE, "could not allocate the compute graph (%d tokens): out of memory?", batch->n_tokens);
+    }
+    const int T = batch->n_tokens;
+    ggml_backend_tensor_set(o->b.inp_tokens, batch->tokens, 0, sizeof(int32_t) * (size_t) T);
+    ggml_backend_tensor_set(o->b.inp_pos, batch->positions, 0, sizeof(int32_t) * (size_t) T);
+    float * mask = malloc(sizeof(float) * (size_t) T * (size_t) T);
+    float * mask_swa = o->b.inp_mask_swa ? malloc(sizeof(float) * (size_t) T * (size_t) T) : NULL;
+    rg_fill_masks(&e->model->hp, batch, mask, mask_swa);
+    /* a mask no layer uses (all layers local, or all global) is not allocated */
+    if (o->b.inp_mask->buffer) ggml_backend_tensor_set(o->b.inp_mask, mask, 0, ggml_nbytes(o->b.inp_mask));
+    if (mask_swa && o->b.inp_mask_swa->buffer) ggml_backend_tensor_set(o->b.inp_mask_swa, mask_swa, 0, ggml_nbytes(o->b.inp_mask_swa));
+    free(mask);
+    free(mask_swa);
+    if (o->loss_grad) {
+        const float one = 1.0f;
+        ggml_backend_tensor_set(o->loss_grad, &one, 0, sizeof(float));
+    }
+    e->timings.alloc_ms += rg_now_ms() - t0;
+    e->timings.n_nodes = ggml_graph_n_nodes(o->gf);
+    return RG_OK;
+}
+
+static float * hidden_to_host(struct ggml_tensor * hidden, float ** owned) {
+    *owned = NULL;
+    if (ggml_backend_buffer_is_host(hidden->buffer)) return (float *) hidden->data;
+    *owned = malloc(ggml_nbytes(hidden));
+    ggml_backend_tensor_get(hidden, *owned, 0, ggml_nbytes(hidden));
+    return *owned;
+}
+
+/* ---- forward only ---------------------------------------------------------------------------- */
+rg_status rg_engine_forward(rg_engine * e, rg_lora * lora, const rg_batch * batch,
+                            float * logp_out, float * entropy_out, float * hidden_out) {
+    rg_status st = check_batch(e->model, batch);
+    if (st) return st;
+    const int32_t n_real = batch->n_tokens;
+    rg_padded pb;
+    pad_batch(batch, &pb);
+    batch = &pb.b;
+    rg_built o;
+    if ((st = build(e, lora, batch->n_tokens, false, &o))) { free(pb.owned); return st; }
+    st = alloc_and_set_inputs(e, &o, batch);
+    if (st == RG_OK) {
+        const double t0 = rg_now_ms();
+        ggml_backend_sched_set_eval_callback(e->sched, NULL, NULL);
+        if (ggml_backend_sched_graph_compute(e->sched, o.gf) != GGML_STATUS_SUCCESS) {
+            st = rg_fail(RG_ERR_COMPUTE, "forward computation failed");
+        }
+        e->timings.forward_ms += rg_now_ms() - t0;
+    }
+    if (st == RG_OK && batch->n_targets > 0) {
+        st = rg_head_forward(e->head, o.b.hidden, batch, logp_out, entropy_out, false, 0);
+        e->timings.head_ms += rg_head_ms(e->head, true);
+    }
+    if (st == RG_OK && hidden_out) {
+        ggml_backend_tensor_get(o.b.hidden, hidden_out, 0, (size_t) n_real * o.b.hidden->nb[1]);
+    }
+    ggml_backend_sched_reset(e->sched);
+    ggml_free(o.ctx);
+    free(pb.owned);
+    return st;
+}
+
+/* ---- training micro-batch --------------------------------------------------------------------- */
+static int op_key(const struct ggml_tensor * t) {
+    return t->op == GGML_OP_UNARY ? GGML_OP_COUNT + (int) ggml_get_unary_op(t) : (int) t->op;
+}
+
+static bool on_node(struct ggml_tensor * t, bool ask, void * user) {
+    rg_run * r = user;
+    rg_engine * pe = r->e;
+    if (ask) return pe->profiling || t == r->hidden;
+    if (pe->profiling) {
+        const double now = rg_now_ms();
+        pe->prof_ms[op_key(t)] += now - pe->prof_last;
+        pe->prof_n[op_key(t)]++;
+        pe->prof_last = now;
+    }
+    if (t != r->hidden) return true;
+    rg_engine * e = r->e;
+    const rg_batch * batch = r->batch;
+    const int K = batch->n_targets, T = r->n_real, D = e->model->hp.n_embd;
+    e->timings.forward_ms += rg_now_ms() - r->t_start;
+
+    float * entropy = r->want_entropy ? calloc((size_t) (K > 0 ? K : 1), sizeof(float)) : NULL;
+    float * coeff = calloc((size_t) (K > 0 ? K : 1), sizeof(float));
+    float * hgrad = r->want_hidden ? calloc((size_t) T * D, sizeof(float)) : NULL;
+    float * hidden_owned = NULL;
+    const float * hidden = r->want_hidden ? hidden_to_host(r->hidden, &hidden_owned) : NULL;
+    rg_status st = RG_OK;
+    if (K > 0) st = rg_head_forward(e->head, r->hidden, batch, r->logp, entropy, true, e->head_budget);
+    if (st == RG_OK) {
+        const int rc = r->fn(r->user, K, r->logp, entropy, coeff, T, D, hidden, hgrad);
+        if (rc != 0) st = rg_fail(RG_ERR_CALLBACK, "the loss callback failed (code %d)", rc);
+    }
+    if (st == RG_OK) {
+        for (int k = 0; k < K; k++) {
+            if (!isfinite(coeff[k]) || !isfinite(r->logp[k])) {
+                st = rg_fail(RG_ERR_NONFINITE, "non-finite %s at target %d (row %d)",
+                             isfinite(r->logp[k]) ? "loss coefficient" : "log-probability", k, batch->target_rows[k]);
+                break;
+            }
+        }
+    }
+    if (st == RG_OK) {
+        ggml_backend_tensor_memset(r->grad_hidden, 0, 0, ggml_nbytes(r->grad_hidden));
+        if (K > 0) st = rg_head_backward(e->head, r->hidden, r->grad_hidden, batch, r->logp, coeff);
+    }
+    if (st == RG_OK && hgrad) {
+        const size_t nb = (size_t) T * D * sizeof(float);
+        float * g = malloc(nb);
+        ggml_backend_tensor_get(r->grad_hidden, g, 0, nb);
+        for (size_t i = 0; i < (size_t) T * D; i++) g[i] += hgrad[i];
+        ggml_backend_tensor_set(r->grad_hidden, g, 0, nb);
+        free(g);
+    }
+    e->timings.head_ms += rg_head_ms(e->head, true);
+    free(entropy);
+    free(coeff);
+    free(hgrad);
+    free(hidden_owned);
+    r->status = st;
+    if (st != RG_OK) snprintf(r->error, sizeof(r->error), "%s", rg_last_error());
+    r->t_hidden = rg_now_ms();
+    pe->prof_last = r->t_hidden;
+    return st == RG_OK;
+}
+
+rg_status rg_engine_accumulate(rg_engine * e, rg_lora * lora, const rg_batch * batch,
+                               rg_coeff_fn fn, void * user, int want_entropy, int want_hidden,
+                               float * logp_out) {
+    if (!lora) return rg_fail(RG_ERR_ARG, "training needs a LoRA adapter");
+    if (lora->model != e->model) return rg_fail(RG_ERR_ARG, "the LoRA adapter belongs to another model");
+    rg_status st = check_batch(e->model, batch);
+    if (st) return st;
+    const int32_t n_real = batch->n_tokens;
+    rg_padded pb;
+    pad_batch(batch, &pb);
+    batch = &pb.b;
+    rg_built o;
+    if ((st = build(e, lora, batch->n_tokens, true, &o))) { free(pb.owned); return st; }
+    if ((st = alloc_and_set_inputs(e, &o, batch))) {
+        ggml_free(o.ctx);
+        free(pb.owned);
+        return st;
+    }
+    rg_run r = {
+        .e = e, .batch = batch, .n_real = n_real, .hidden = o.b.hidden, .grad_hidden = o.grad_hidden, .fn = fn, .user = user,
+        .want_entropy = want_entropy, .want_hidden = want_hidden, .logp = logp_out, .status = RG_OK,
+    };
+    r.t_start = rg_now_ms();
+    e->prof_last = r.t_start;
+    ggml_backend_sched_set_eval_callback(e->sched, on_node, &r);
+    const enum ggml_status gs = ggml_backend_sched_graph_compute(e->sched, o.gf);
+    ggml_backend_sched_set_eval_callback(e->sched, NULL, NULL);
+    const double t1 = rg_now_ms();
+    if (r.t_hidden > 0) e->timings.backward_ms += t1 - r.t_hidden;
+    if (r.status != RG_OK) {
+        st = rg_fail(r.status, "%s", r.error);
+    } else if (gs != GGML_STATUS_SUCCESS) {
+        st = rg_fail(RG_ERR_COMPUTE, "training graph computation failed");
+    } else if (r.t_hidden == 0) {
+        st = rg_fail(RG_ERR_COMPUTE, "the scheduler never reached the hidden state");
+    }
+    ggml_backend_sched_reset(e->sched);
+    ggml_free(o.ctx);
+    free(pb.owned);
+    return st;
+}
+
+/* ---- optimizer ------------------------------------------------------------------------------ */
+static struct ggml_context * opt_ctx(const rg_lora * l) {
+    const size_t n = (size_t) l->n_pairs * 2 * 6 + 16;
+    struct ggml_init_params ip = { ggml_tensor_overhead() * n + ggml_graph_overhead_custom(n, false), NULL, true };
+    return ggml_init(ip);
+}
+
+static size_t opt_graph_size(const rg_lora * l) { return (size_t) l->n_pairs * 2 * 6 + 16; }
+
+rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float * grad_norm_out) {
+    const double t0 = rg_now_ms();
+    if (p->step < 1) return rg_fail(RG_ERR_ARG, "AdamW step must be >= 1, got %lld", (long long) p->step);
+    const int n = 2 * l->n_pairs;
+    struct ggml_tensor ** grads = malloc(sizeof(*grads) * (size_t) n);
+    struct ggml_tensor ** params = malloc(sizeof(*params) * (size_t) n);
+    struct ggml_tensor ** ms = malloc(sizeof(*ms) * (size_t) n);
+    struct ggml_tensor ** vs = malloc(sizeof(*vs) * (size_t) n);
+    for (int i = 0; i < n; i++) {
+        const rg_lora_slotset * s = i % 2 == 0 ? &l->pairs[i / 2].a : &l->pairs[i / 2].b;
+        params[i] = s->t[RG_SLOT_PARAM];
+        grads[i] = s->t[RG_SLOT_GRAD];
+        ms[i] = s->t[RG_SLOT_ADAM_M];
+        vs[i] = s->t[RG_SLOT_ADAM_V];
+    }
+    rg_status st = RG_OK;
+
+    /* global norm of the accumulated gradient */
+    struct ggml_context * ctx = opt_ctx(l);
+    struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, opt_graph_size(l), false);
+    struct ggml_tensor * total = NULL;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * s = ggml_sum(ctx, ggml_sqr(ctx, grads[i]));
+        total = total ? ggml_add(ctx, total, s) : s;
+    }
+    ggml_set_output(total);
+    ggml_build_forward_expand(gf, total);
+    float sq = 0;
+    if (!ggml_gallocr_alloc_graph(e->opt_galloc, gf) ||
+        ggml_backend_graph_compute(e->model->backend, gf) != GGML_STATUS_SUCCESS) {
+        st = rg_fail(RG_ERR_COMPUTE, "gradient norm computation failed");
+    } else {
+        ggml_backend_tensor_get(total, &sq, 0, sizeof(float));
+    }
+    ggml_free(ctx);
+    const float norm = sqrtf(sq) * fabsf(p->grad_scale);
+    if (grad_norm_out) *grad_norm_out = norm;
+    if (st == RG_OK && !isfinite(norm)) {
+        st = rg_fail(RG_ERR_NONFINITE, "the gradient norm is not finite; the update was skipped");
+    }
+    if (st == RG_OK) {
+        float coef = p->grad_scale;
+        if (p->grad_clip > 0 && norm > p->grad_clip) coef *= p->grad_clip / norm;
+        ctx = opt_ctx(l);
+        gf = ggml_new_graph_custom(ctx, opt_graph_size(l), false);
+        struct ggml_tensor * hp = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 7);
+        ggml_set_input(hp);
+        for (int i = 0; i < n; i++) {
+            struct ggml_tensor * g = coef == 1.0f ? grads[i] : ggml_scale(ctx, grads[i], coef);
+            ggml_build_forward_expand(gf, ggml_opt_step_adamw(ctx, params[i], g, ms[i], vs[i], hp));
+        }
+        if (!ggml_gallocr_alloc_graph(e->opt_galloc, gf)) {
+            st = rg_fail(RG_ERR_COMPUTE, "optimizer graph allocation failed");
+        } else {
+            const float b1h = 1.0f / (1.0f - powf(p->beta1, (float) p->step));
+            const float b2h = 1.0f / (1.0f - powf(p->beta2, (float) p->step));
+            const float v[7] = { p->lr, p->beta1, p->beta2, p->eps, p->weight_decay, b1h, b2h };
+            ggml_backend_tensor_set(hp, v, 0, sizeof(v));
+            if (ggml_backend_graph_compute(e->model->backend, gf) != GGML_STATUS_SUCCESS) {
+                st = rg_fail(RG_ERR_COMPUTE, "optimizer step failed");
+            }
+        }
+        ggml_free(ctx);
+    }
+    rg_lora_zero(l, RG_SLOT_GRAD);
+    free(grads);
+    free(params);
+    free(ms);
+    free(vs);
+    e->timings.optimizer_ms += rg_now_ms() - t0;
+    return st;
+}
+
+/* ---- profiling ------------------------------------------------------------------------------ */
+void rg_engine_set_profiling(rg_engine * e, int on) { e->profiling = on != 0; }
+
+rg_status rg_engine_profile_report(rg_engine * e, char * report, size_t report_size, int reset) {
+    const int n = GGML_OP_COUNT + GGML_UNARY_OP_COUNT;
+    bool done[GGML_OP_COUNT + GGML_UNARY_OP_COUNT] = {0};
+    size_t used = 0;
+    if (report_size) report[0] = 0;
+    for (;;) {
+        int best = -1;
+        for (int k = 0; k < n; k++) {
+            if (!done[k] && e->prof_n[k] && (best < 0 || e->prof_ms[k] > e->prof_ms[best])) best = k;
+        }
+        if (best < 0) break;
+        done[best] = true;
+        const char * name = best < GGML_OP_COUNT ? ggml_op_name((enum ggml_op) best)
+                                                  : ggml_unary_op_name((enum ggml_unary_op) (best - GGML_OP_COUNT));
+        if (used < report_size) {
+            used += (size_t) snprintf(report + used, report_size - used, "%s %.3f %d\n", name, e->prof_ms[best], e->prof_n[best]);
+        }
+    }
+    if (reset) {
+        memset(e->prof_ms, 0, sizeof(e->prof_ms));
+        memset(e->prof_n, 0, sizeof(e->prof_n));
+    }
+    return RG_OK;
+}
+
+/* ---- preflight ------------------------------------------------------------------------------ */
+rg_status rg_engine_preflight(rg_engine * e, rg_lora * lora, int32_t n_tokens, char * report,
+                              size_t report_size, int * n_unsupported) {
+    *n_unsupported = 0;
+    if (report_size) report[0] = 0;
+    if (n_tokens <= 0) return rg_fail(RG_ERR_ARG, "preflight needs a positive token count");
+    rg_built o;
+    rg_status st = build(e, lora, n_tokens, lora != NULL, &o);
+    if (st) return st;
+    int counts[GGML_OP_COUNT + GGML_UNARY_OP_COUNT] = {0};
+    const char * names[GGML_OP_COUNT + GGML_UNARY_OP_COUNT] = {0};
+    for (int i = 0; i < ggml_graph_n_nodes(o.gf); i++) {
+        struct ggml_tensor * node = ggml_graph_node(o.gf, i);
+        if (ggml_backend_dev_supports_op(e->model->dev, node)) continue;
+        int key = node->op;
+        if (node->op == GGML_OP_UNARY) key = GGML_OP_COUNT + ggml_get_unary_op(node);
+        counts[key]++;
+        names[key] = ggml_op_desc(node);
+        (*n_unsupported)++;
+    }
+    size_t used = 0;
+    for (int k = 0; k < GGML_OP_COUNT + GGML_UNARY_OP_COUNT; k++) {
+        if (!counts[k] || used >= report_size) continue;
+        used += (size_t) snprintf(report + used, report_size - used, "%s %d\n", names[k], counts[k]);
+    }
+    ggml_free(o.ctx);
+    return RG_OK;
+}

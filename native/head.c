@@ -1,0 +1,355 @@
+/*
+ * head.c - the LM head, computed outside autodiff.
+ *
+ * The trunk graph stops at the final hidden state h. Here we compute, only for the rows that
+ * carry targets, logits = W_out h, the softmax, and the log-probs of the requested tokens
+ * (phase A). Given per-target coefficients c_k = d(loss)/d(logp_k), the gradient at the logits
+ * of row r is  sum_k c_k onehot(y_k) - (sum_k c_k) softmax_r,  and d(loss)/d(h) = W_out^T of it
+ * (phase B). Doing this by hand instead of through ggml's autodiff keeps the [vocab x tokens]
+ * tensors to one softmax store, and lets the W_out^T product go through a dequantized,
+ * transposed copy of one vocabulary slice at a time (ggml's default would run OUT_PROD on the
+ * quantized matrix, ~10x slower on the CPU).
+ *
+ * log p is computed as logit - lse with lse = logit[argmax] - log softmax[argmax], which stays
+ * exact where log(softmax) of a tiny probability would not.
+ */
+#include "rg_internal.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define HEAD_LOGITS_BYTES (64u << 20)   /* transient logits per chunk */
+#define HEAD_VOCAB_SLICE  8192          /* rows of W_out dequantized at a time in phase B */
+#define HEAD_MAX_NODES    512
+
+struct rg_head {
+    rg_model            * model;
+    ggml_gallocr_t        galloc;
+    /* softmax store: P [n_vocab, cap] */
+    struct ggml_context * store_ctx;
+    ggml_backend_buffer_t store_buf;
+    struct ggml_tensor  * store;
+    int                   store_cap;
+    bool                  store_valid;     /* holds the softmax of every selected row */
+    /* selected rows of the current batch */
+    int32_t             * rows;            /* sorted unique target rows */
+    int                   n_rows;
+    int32_t             * col_of_target;   /* column in rows[] of each target */
+    int                   cap_rows, cap_targets;
+    int                   chunk;           /* columns per chunk */
+    double                ms;
+};
+
+rg_head * rg_head_new(rg_model * model) {
+    rg_head * h = calloc(1, sizeof(*h));
+    h->model = model;
+    h->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(model->backend));
+    return h;
+}
+
+static void free_store(rg_head * h) {
+    if (h->store_buf) ggml_backend_buffer_free(h->store_buf);
+    if (h->store_ctx) ggml_free(h->store_ctx);
+    h->store_buf = NULL;
+    h->store_ctx = NULL;
+    h->store = NULL;
+    h->store_cap = 0;
+    h->store_valid = false;
+}
+
+void rg_head_free(rg_head * h) {
+    if (!h) return;
+    free_store(h);
+    ggml_gallocr_free(h->galloc);
+    free(h->rows);
+    free(h->col_of_target);
+    free(h);
+}
+
+double rg_head_ms(rg_head * h, bool reset) {
+    const double ms = h->ms;
+    if (reset) h->ms = 0;
+    return ms;
+}
+
+static rg_status ensure_store(rg_head * h, int cols) {
+    if (h->store && h->store_cap >= cols) return RG_OK;
+    free_store(h);
+    struct ggml_init_params ip = { ggml_tensor_overhead() * 2, NULL, true };
+    h->store_ctx = ggml_init(ip);
+    h->store = ggml_new_tensor_2d(h->store_ctx, GGML_TYPE_F32, h->model->hp.n_vocab, cols);
+    ggml_set_name(h->store, "head_softmax_store");
+    h->store_buf = ggml_backend_alloc_ctx_tensors_from_buft(
+        h->store_ctx, ggml_backend_get_default_buffer_type(h->model->backend));
+    if (!h->store_buf) {
+        free_store(h);
+        return rg_fail(RG_ERR_COMPUTE, "could not allocate the LM head softmax store (%d rows)", cols);
+    }
+    h->store_cap = cols;
+    return RG_OK;
+}
+
+static int cmp_i32(const void * a, const void * b) {
+    const int32_t x = *(const int32_t *) a, y = *(const int32_t *) b;
+    return (x > y) - (x < y);
+}
+
+static rg_status select_rows(rg_head * h, const rg_batch * batch) {
+    const int K = batch->n_targets;
+    if (K > h->cap_targets) {
+        h->cap_targets = K;
+        h->rows = realloc(h->rows, sizeof(int32_t) * (size_t) K);
+        h->col_of_target = realloc(h->col_of_target, sizeof(int32_t) * (size_t) K);
+    }
+    for (int k = 0; k < K; k++) {
+        const int32_t r = batch->target_rows[k], y = batch->target_ids[k];
+        if (r < 0 || r >= batch->n_tokens) return rg_fail(RG_ERR_ARG, "target %d: row %d outside the batch of %d tokens", k, r, batch->n_tokens);
+        if (y < 0 || y >= h->model->hp.n_vocab) return rg_fail(RG_ERR_ARG, "target %d: token id %d outside the vocabulary of %d", k, y, h->model->hp.n_vocab);
+        h->rows[k] = r;
+    }
+    qsort(h->rows, (size_t) K, sizeof(int32_t), cmp_i32);
+    int n = 0;
+    for (int k = 0; k < K; k++) {
+        if (n == 0 || h->rows[n - 1] != h->rows[k]) h->rows[n++] = h->rows[k];
+    }
+    h->n_rows = n;
+    for (int k = 0; k < K; k++) {
+        const int32_t * hit = bsearch(&batch->target_rows[k], h->rows, (size_t) n, sizeof(int32_t), cmp_i32);
+        h->col_of_target[k] = (int32_t) (hit - h->rows);
+    }
+    const size_t col_bytes = (size_t) h->model->hp.n_vocab * sizeof(float);
+    h->chunk = (int) (HEAD_LOGITS_BYTES / col_bytes);
+    if (h->chunk < 1) h->chunk = 1;
+    if (h->chunk > n) h->chunk = n > 0 ? n : 1;
+    return RG_OK;
+}
+
+static struct ggml_context * new_ctx(void) {
+    struct ggml_init_params ip = {
+        ggml_tensor_overhead() * HEAD_MAX_NODES + ggml_graph_overhead_custom(HEAD_MAX_NODES, false), NULL, true,
+    };
+    return ggml_init(ip);
+}
+
+static rg_status compute(rg_head * h, struct ggml_cgraph * gf) {
+    if (!ggml_gallocr_alloc_graph(h->galloc, gf)) return rg_fail(RG_ERR_COMPUTE, "LM head: graph allocation failed");
+    return RG_OK;
+}
+
+static rg_status run(rg_head * h, struct ggml_cgraph * gf) {
+    if (ggml_backend_graph_compute(h->model->backend, gf) != GGML_STATUS_SUCCESS) {
+        return rg_fail(RG_ERR_COMPUTE, "LM head: graph computation failed");
+    }
+    return RG_OK;
+}
+
+/* logits [V, n] for columns c0..c0+n of the selected rows */
+static struct ggml_tensor * chunk_logits(rg_head * h, struct ggml_context * ctx, struct ggml_tensor * hidden,
+                                         struct ggml_tensor ** idx_out, int n) {
+    struct ggml_tensor * idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+    ggml_set_name(idx, "head_rows");
+    ggml_set_input(idx);
+    *idx_out = idx;
+    /* a parentless alias, so this graph does not pull in the trunk that produced hidden */
+    struct ggml_tensor * hs = ggml_get_rows(ctx, ggml_view_tensor(ctx, hidden), idx);
+    struct ggml_tensor * logits = ggml_mul_mat(ctx, h->model->output, hs);
+    ggml_set_name(logits, "head_logits");
+    return logits;
+}
+
+rg_status rg_head_forward(rg_head * h, struct ggml_tensor * hidden, const rg_batch * batch,
+                          float * logp, float * entropy, bool keep, size_t budget) {
+    const double t0 = rg_now_ms();
+    rg_status st = select_rows(h, batch);
+    if (st) return st;
+    const int V = h->model->hp.n_vocab;
+    const int K = batch->n_targets;
+    h->store_valid = false;
+    if (keep && (size_t) V * (size_t) h->n_rows * sizeof(float) <= budget) {
+        if ((st = ensure_store(h, h->n_rows))) return st;
+        h->store_valid = true;
+    }
+    float * lse = malloc(sizeof(float) * (size_t) h->n_rows);
+    float * dot = malloc(sizeof(float) * (size_t) h->n_rows);
+    int32_t * flat = malloc(sizeof(int32_t) * (size_t) (K > 0 ? K : 1));
+    int32_t * which = malloc(sizeof(int32_t) * (size_t) (K > 0 ? K : 1));
+    float * tl = malloc(sizeof(float) * (size_t) (K > 0 ? K : 1));
+    const bool want_entropy = entropy != NULL;
+
+    for (int c0 = 0; c0 < h->n_rows && st == RG_OK; c0 += h->chunk) {
+        const int n = h->n_rows - c0 < h->chunk ? h->n_rows - c0 : h->chunk;
+        /* targets whose row falls in this chunk */
+        int nk = 0;
+        for (int k = 0; k < K; k++) {
+            const int col = h->col_of_target[k];
+            if (col >= c0 && col < c0 + n) {
+                which[nk] = k;
+                flat[nk] = (col - c0) * V + batch->target_ids[k];
+                nk++;
+            }
+        }
+        struct ggml_context * ctx = new_ctx();
+        struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, HEAD_MAX_NODES, false);
+        struct ggml_tensor * idx;
+        struct ggml_tensor * logits = chunk_logits(h, ctx, hidden, &idx, n);
+        struct ggml_tensor * p = ggml_soft_max(ctx, logits);
+        ggml_set_name(p, "head_softmax");
+        if (h->store_valid) {
+            /* compute the softmax straight into the store */
+            ggml_backend_tensor_alloc(h->store_buf, p, (char *) h->store->data + (size_t) c0 * h->store->nb[1]);
+        }
+        struct ggml_tensor * am = ggml_argmax(ctx, logits);
+        struct ggml_tensor * pmax = ggml_get_rows(ctx, ggml_reshape_3d(ctx, p, 1, V, n), ggml_reshape_2d(ctx, am, 1, n));
+        struct ggml_tensor * lmax = ggml_get_rows(ctx, ggml_reshape_3d(ctx, logits, 1, V, n), ggml_reshape_2d(ctx, am, 1, n));
+        struct ggml_tensor * fidx = NULL, * tgt = NULL, * pl = NULL;
+        if (nk > 0) {
+            fidx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, nk);
+            ggml_set_input(fidx);
+            tgt = ggml_get_rows(ctx, ggml_reshape_2d(ctx, logits, 1, (int64_t) V * n), fidx);
+            ggml_set_output(tgt);
+            ggml_build_forward_expand(gf, tgt);
+        }
+        if (want_entropy) {
+            pl = ggml_sum_rows(ctx, ggml_mul(ctx, p, logits));
+            ggml_set_output(pl);
+            ggml_build_forward_expand(gf, pl);
+        }
+        ggml_set_output(pmax);
+        ggml_set_output(lmax);
+        ggml_build_forward_expand(gf, p);
+        ggml_build_forward_expand(gf, pmax);
+        ggml_build_forward_expand(gf, lmax);
+        st = compute(h, gf);
+        if (st == RG_OK) {
+            ggml_backend_tensor_set(idx, h->rows + c0, 0, sizeof(int32_t) * (size_t) n);
+            if (fidx) ggml_backend_tensor_set(fidx, flat, 0, sizeof(int32_t) * (size_t) nk);
+            st = run(h, gf);
+        }
+        if (st == RG_OK) {
+            float * pm = malloc(sizeof(float) * (size_t) n);
+            float * lm = malloc(sizeof(float) * (size_t) n);
+            ggml_backend_tensor_get(pmax, pm, 0, sizeof(float) * (size_t) n);
+            ggml_backend_tensor_get(lmax, lm, 0, sizeof(float) * (size_t) n);
+            for (int j = 0; j < n; j++) lse[c0 + j] = lm[j] - logf(pm[j]);
+            if (pl) ggml_backend_tensor_get(pl, dot + c0, 0, sizeof(float) * (size_t) n);
+            if (nk > 0) {
+                ggml_backend_tensor_get(tgt, tl, 0, sizeof(float) * (size_t) nk);
+                for (int i = 0; i < nk; i++) logp[which[i]] = tl[i] - lse[h->col_of_target[which[i]]];
+            }
+            free(pm);
+            free(lm);
+        }
+        ggml_free(ctx);
+    }
+    if (st == RG_OK && want_entropy) {
+        for (int k = 0; k < K; k++) {
+            const int col = h->col_of_target[k];
+            entropy[k] = lse[col] - dot[col];
+        }
+    }
+    free(lse);
+    free(dot);
+    free(flat);
+    free(which);
+    free(tl);
+    h->ms += rg_now_ms() - t0;
+    return st;
+}
+
+/* W_out^T d for d = [V, n]: one dequantized, transposed vocabulary slice at a time */
+static struct ggml_tensor * head_transpose_product(rg_head * h, struct ggml_context * ctx, struct ggml_tensor * d) {
+    struct ggml_tensor * w = h->model->output;
+    const int64_t V = w->ne[1];
+    struct ggml_tensor * acc = NULL;
+    for (int64_t v0 = 0; v0 < V; v0 += HEAD_VOCAB_SLICE) {
+        const int64_t nv = V - v0 < HEAD_VOCAB_SLICE ? V - v0 : HEAD_VOCAB_SLICE;
+        struct ggml_tensor * ws = ggml_view_2d(ctx, w, w->ne[0], nv, w->nb[1], (size_t) v0 * w->nb[1]);
+        struct ggml_tensor * wt = ggml_cpy(ctx, ggml_transpose(ctx, ggml_cast(ctx, ws, GGML_TYPE_F32)),
+                                           ggml_new_tensor_2d(ctx, GGML_TYPE_F16, nv, w->ne[0]));  /* [nv, n_embd] */
+        struct ggml_tensor * ds = ggml_view_2d(ctx, d, nv, d->ne[1], d->nb[1], (size_t) v0 * sizeof(float));
+        struct ggml_tensor * part = ggml_mul_mat(ctx, wt, ds);  /* [n_embd, n] */
+        acc = acc ? ggml_add(ctx, acc, part) : part;
+    }
+    return acc;
+}
+
+rg_status rg_head_backward(rg_head * h, struct ggml_tensor * hidden, struct ggml_tensor * grad_hidden,
+                           const rg_batch * batch, const float * logp, const float * coeff) {
+    const double t0 = rg_now_ms();
+    const int V = h->model->hp.n_vocab;
+    const int K = batch->n_targets;
+    rg_status st = RG_OK;
+    float * csum = calloc((size_t) (h->n_rows > 0 ? h->n_rows : 1), sizeof(float));
+    for (int k = 0; k < K; k++) csum[h->col_of_target[k]] += coeff[k];
+    int64_t * sidx = malloc(sizeof(int64_t) * (size_t) (K > 0 ? K : 1));
+    float * sval = malloc(sizeof(float) * (size_t) (K > 0 ? K : 1));
+    float * negs = malloc(sizeof(float) * (size_t) (h->chunk > 0 ? h->chunk : 1));
+
+    for (int c0 = 0; c0 < h->n_rows && st == RG_OK; c0 += h->chunk) {
+        const int n = h->n_rows - c0 < h->chunk ? h->n_rows - c0 : h->chunk;
+        /* sparse entries: at (col, y) the gradient is sum of its coefficients - csum * p(y) */
+        int ns = 0;
+        for (int k = 0; k < K; k++) {
+            const int col = h->col_of_target[k];
+            if (col < c0 || col >= c0 + n) continue;
+            const int64_t f = (int64_t) (col - c0) * V + batch->target_ids[k];
+            int found = -1;
+            for (int i = 0; i < ns; i++) if (sidx[i] == f) { found = i; break; }
+            if (found < 0) {
+                found = ns++;
+                sidx[found] = f;
+                sval[found] = -csum[col] * expf(logp[k]);
+            }
+            sval[found] += coeff[k];
+        }
+        for (int j = 0; j < n; j++) negs[j] = -csum[c0 + j];
+
+        struct ggml_context * ctx = new_ctx();
+        struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, HEAD_MAX_NODES, false);
+        struct ggml_tensor * idx = NULL, * ridx;
+        struct ggml_tensor * p;
+        if (h->store_valid) {
+            p = ggml_view_2d(ctx, h->store, V, n, h->store->nb[1], (size_t) c0 * h->store->nb[1]);
+        } else {
+            p = ggml_soft_max(ctx, chunk_logits(h, ctx, hidden, &idx, n));
+        }
+        struct ggml_tensor * s = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, n);
+        ggml_set_input(s);
+        struct ggml_tensor * d = ggml_mul_inplace(ctx, p, s);
+        struct ggml_tensor * si = NULL, * sv = NULL;
+        if (ns > 0) {
+            si = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, ns);
+            sv = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, ns);
+            ggml_set_input(si);
+            ggml_set_input(sv);
+            struct ggml_tensor * dflat = ggml_set_rows(ctx, ggml_reshape_2d(ctx, d, 1, (int64_t) V * n), sv, si);
+            d = ggml_reshape_2d(ctx, dflat, V, n);
+        }
+        struct ggml_tensor * dh = head_transpose_product(h, ctx, d);
+        ridx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+        ggml_set_input(ridx);
+        struct ggml_tensor * out = ggml_set_rows(ctx, ggml_view_tensor(ctx, grad_hidden), dh, ridx);
+        ggml_build_forward_expand(gf, out);
+        st = compute(h, gf);
+        if (st == RG_OK) {
+            if (idx) ggml_backend_tensor_set(idx, h->rows + c0, 0, sizeof(int32_t) * (size_t) n);
+            ggml_backend_tensor_set(ridx, h->rows + c0, 0, sizeof(int32_t) * (size_t) n);
+            ggml_backend_tensor_set(s, negs, 0, sizeof(float) * (size_t) n);
+            if (ns > 0) {
+                ggml_backend_tensor_set(si, sidx, 0, sizeof(int64_t) * (size_t) ns);
+                ggml_backend_tensor_set(sv, sval, 0, sizeof(float) * (size_t) ns);
+            }
+            st = run(h, gf);
+        }
+        ggml_free(ctx);
+    }
+    h->store_valid = false;   /* consumed: the store now holds gradients */
+    free(csum);
+    free(sidx);
+    free(sval);
+    free(negs);
+    h->ms += rg_now_ms() - t0;
+    return st;
+}

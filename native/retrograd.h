@@ -1,0 +1,201 @@
+/*
+ * retrograd.h - the whole C ABI of retrograd's native training engine.
+ *
+ * The engine loads a GGUF model with its weights kept in their stored (usually quantized) types,
+ * builds a training graph per architecture family over the public ggml API, attaches LoRA A/B
+ * tensors, and turns per-token log-probabilities into gradients: the caller supplies, per
+ * (row, token id) target, the coefficient c of d(loss)/d(logp), so every loss (cross-entropy,
+ * policy gradient, KL, preference, distillation) is a small recipe on the Python side while the
+ * expensive parts stay here.
+ *
+ * Conventions: functions are rg_<thing>_<verb>; objects come in init/free pairs; every fallible
+ * call returns an rg_status and leaves a message for rg_last_error(). Nothing here aborts the
+ * process on bad input.
+ *
+ * The block between RG_CDEF_BEGIN and RG_CDEF_END is fed verbatim to cffi, so it holds plain
+ * declarations only (no macros, no includes).
+ */
+#ifndef RETROGRAD_H
+#define RETROGRAD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* RG_CDEF_BEGIN */
+typedef enum {
+    RG_OK              = 0,
+    RG_ERR_ARG         = 1,  /* a caller error: bad index, size, shape or option */
+    RG_ERR_IO          = 2,  /* a file could not be opened, read or mapped */
+    RG_ERR_FORMAT      = 3,  /* a file is not what it claims (GGUF structure, missing tensor) */
+    RG_ERR_UNSUPPORTED = 4,  /* an architecture, tensor type or feature we do not handle */
+    RG_ERR_DEVICE      = 5,  /* no such device, or a backend could not be initialised */
+    RG_ERR_COMPUTE     = 6,  /* graph allocation or computation failed */
+    RG_ERR_NONFINITE   = 7,  /* a loss or gradient is NaN or infinite */
+    RG_ERR_CALLBACK    = 8   /* the caller's coefficient callback reported an error */
+} rg_status;
+
+enum {
+    RG_TARGET_Q = 0, RG_TARGET_K = 1, RG_TARGET_V = 2, RG_TARGET_O = 3,
+    RG_TARGET_GATE = 4, RG_TARGET_UP = 5, RG_TARGET_DOWN = 6, RG_N_TARGETS = 7
+};
+
+enum { RG_SLOT_PARAM = 0, RG_SLOT_GRAD = 1, RG_SLOT_ADAM_M = 2, RG_SLOT_ADAM_V = 3 };
+
+enum { RG_DEVICE_CPU = 0, RG_DEVICE_GPU = 1, RG_DEVICE_IGPU = 2, RG_DEVICE_ACCEL = 3 };
+
+/* Thread-local message describing the last failure in this thread. */
+const char * rg_last_error(void);
+
+/* ---- devices ------------------------------------------------------------------------------ */
+typedef struct {
+    char   name[128];
+    char   description[256];
+    int    type;            /* RG_DEVICE_* */
+    size_t memory_free;
+    size_t memory_total;
+} rg_device_info;
+
+int       rg_device_count(void);
+rg_status rg_device_get_info(int index, rg_device_info * out);
+/* want: "auto" (a GPU if present, else the CPU), "cpu", "gpu" (fails without one), or a name. */
+rg_status rg_device_select(const char * want, int * index_out);
+
+/* ---- models ------------------------------------------------------------------------------- */
+typedef struct rg_model rg_model;
+
+typedef struct {
+    char    arch[32];
+    int     n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx_train, n_rot;
+    float   rms_eps, rope_base, rope_base_swa, rope_freq_scale, attn_scale, embd_scale;
+    int     rope_mode;      /* 0 normal (adjacent pairs), 2 neox (halves) */
+    int     n_swa;          /* sliding window of local layers, 0 when none */
+    int     n_swa_layers;
+    int     tied_output;
+    int     has_qk_norm;
+    int64_t n_params;
+    size_t  weight_bytes;
+    int     device_index;
+    char    device_name[128];
+    int     mmapped;
+    int     n_threads;
+} rg_model_info;
+
+rg_status rg_model_init(const char * path, int device_index, int n_threads, rg_model ** out);
+void      rg_model_free(rg_model * model);
+void      rg_model_get_info(const rg_model * model, rg_model_info * out);
+rg_status rg_model_set_threads(rg_model * model, int n_threads);
+int       rg_model_tensor_count(const rg_model * model);
+rg_status rg_model_tensor_info(const rg_model * model, int index, const char ** name,
+                               const char ** type_name, int64_t * ne /* [4] */);
+/* Input/output width of a LoRA target's base weight; RG_ERR_ARG if the layer lacks it. */
+rg_status rg_model_target_dims(const rg_model * model, int layer, int target,
+                               int64_t * n_in, int64_t * n_out);
+
+/* ---- LoRA adapters ------------------------------------------------------------------------ */
+typedef struct rg_lora rg_lora;
+
+/* A and B (F32) for every layer and every target bit set in target_mask (1 << RG_TARGET_*),
+ * all slots zero; the caller initialises A. Scale applied in the forward is alpha / rank. */
+rg_status rg_lora_init(rg_model * model, uint32_t target_mask, int rank, float alpha,
+                       rg_lora ** out);
+void      rg_lora_free(rg_lora * lora);
+int       rg_lora_tensor_count(const rg_lora * lora);
+/* name is the llama.cpp adapter name ("blk.3.attn_q.weight.lora_a"); ne0 is the fastest dim. */
+rg_status rg_lora_tensor_info(const rg_lora * lora, int index, const char ** name,
+                              int64_t * ne0, int64_t * ne1);
+rg_status rg_lora_read(const rg_lora * lora, int index, int slot, float * dst, size_t n);
+rg_status rg_lora_write(rg_lora * lora, int index, int slot, const float * src, size_t n);
+rg_status rg_lora_zero(rg_lora * lora, int slot);
+float     rg_lora_scale(const rg_lora * lora);
+
+/* ---- batches ------------------------------------------------------------------------------ */
+/* One micro-batch: n_tokens tokens of one or more packed sequences. Tokens with different
+ * seq_ids never attend to each other; positions restart per sequence. A target (row r, id y)
+ * asks for log p(y | tokens of row r's sequence up to and including row r). */
+typedef struct {
+    int32_t         n_tokens;
+    const int32_t * tokens;
+    const int32_t * positions;
+    const int32_t * seq_ids;
+    int32_t         n_targets;
+    const int32_t * target_rows;
+    const int32_t * target_ids;
+} rg_batch;
+
+/* ---- engine ------------------------------------------------------------------------------- */
+typedef struct rg_engine rg_engine;
+
+typedef struct {
+    double build_ms;    /* graph construction and rewrite */
+    double alloc_ms;    /* scheduling and allocation */
+    double forward_ms;  /* trunk forward up to the final hidden state */
+    double head_ms;     /* LM head: logits, softmax, gathers, head gradient */
+    double backward_ms; /* everything after the head */
+    double optimizer_ms;
+    int    n_nodes;
+} rg_timings;
+
+/* Called once per micro-batch with the log-probs of the targets (and, when asked for, the
+ * entropy of the distribution at each target's row and the final hidden states [n_tokens x
+ * n_embd], row-major by token). It writes d(loss)/d(logp) per target into coeff and may add
+ * d(loss)/d(hidden) into hidden_grad (zeroed beforehand). Non-zero return aborts the step. */
+typedef int (*rg_coeff_fn)(void * user, int32_t n_targets, const float * logp,
+                           const float * entropy, float * coeff, int32_t n_tokens,
+                           int32_t n_embd, const float * hidden, float * hidden_grad);
+
+rg_status rg_engine_init(rg_model * model, rg_engine ** out);
+void      rg_engine_free(rg_engine * engine);
+/* 1: compute with composite ops of exact math (GELU from exp/softplus) everywhere instead of
+ * llama.cpp's fused ops (GELU from an fp16 table). Forward values then differ from llama.cpp by
+ * ~1e-3 relative on GELU models, but the forward is the exact function the gradient is of,
+ * which finite-difference tests need. Default 0. */
+void      rg_engine_set_exact_ops(rg_engine * engine, int on);
+/* How base-weight matmuls are computed: RG_MATMUL_AUTO (default) dequantizes to F16 on the fly
+ * for the types whose native CPU kernels are slower than that at training batch sizes (Q4_1,
+ * Q5_x, K-quants) and keeps the native kernel otherwise; RG_MATMUL_NATIVE always uses ggml's
+ * quantized kernel (bit-equal to llama.cpp); RG_MATMUL_F16 always dequantizes. */
+enum { RG_MATMUL_AUTO = 0, RG_MATMUL_NATIVE = 1, RG_MATMUL_F16 = 2 };
+void      rg_engine_set_matmul_mode(rg_engine * engine, int mode);
+/* Upper bound in bytes for the softmax store of the LM head (beyond it the head recomputes). */
+void      rg_engine_set_head_budget(rg_engine * engine, size_t bytes);
+/* Forward only (evaluation, reference policy). lora may be NULL (the base model). entropy_out
+ * and hidden_out may be NULL. */
+rg_status rg_engine_forward(rg_engine * engine, rg_lora * lora, const rg_batch * batch,
+                            float * logp_out, float * entropy_out, float * hidden_out);
+/* Forward, head, callback, backward: adds the gradient of sum(coeff * logp) (plus whatever the
+ * callback put in hidden_grad) to the lora's GRAD slot. want_hidden passes hidden states. */
+rg_status rg_engine_accumulate(rg_engine * engine, rg_lora * lora, const rg_batch * batch,
+                               rg_coeff_fn fn, void * user, int want_entropy, int want_hidden,
+                               float * logp_out);
+
+typedef struct {
+    float   lr, beta1, beta2, eps, weight_decay;
+    float   grad_scale;   /* multiplies the accumulated gradient before clipping */
+    float   grad_clip;    /* max global L2 norm; <= 0 disables */
+    int64_t step;         /* 1-based AdamW step for bias correction */
+} rg_adamw;
+
+/* Global gradient norm (after grad_scale), clipping, one AdamW update, gradients zeroed.
+ * RG_ERR_NONFINITE leaves parameters and moments untouched and zeroes the gradients. */
+rg_status rg_engine_adamw(rg_engine * engine, rg_lora * lora, const rg_adamw * params,
+                          float * grad_norm_out);
+/* Builds (does not run) the training graph for n_tokens tokens and writes, one per line,
+ * "OP count" for every op the model's device cannot run; *n_unsupported gets the total. */
+rg_status rg_engine_preflight(rg_engine * engine, rg_lora * lora, int32_t n_tokens,
+                              char * report, size_t report_size, int * n_unsupported);
+void      rg_engine_get_timings(const rg_engine * engine, rg_timings * out);
+/* Per-op profiling of training graphs (slower: every node is computed on its own). The report
+ * is one "OP milliseconds count" line per op kind, largest first; reset clears the tallies. */
+void      rg_engine_set_profiling(rg_engine * engine, int on);
+rg_status rg_engine_profile_report(rg_engine * engine, char * report, size_t report_size, int reset);
+/* RG_CDEF_END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* RETROGRAD_H */

@@ -1,0 +1,132 @@
+/*
+ * rg_internal.h - structures shared by the native sources (not part of the ABI).
+ */
+#ifndef RG_INTERNAL_H
+#define RG_INTERNAL_H
+
+#include "retrograd.h"
+
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+#include "gguf.h"
+
+#include <stdbool.h>
+
+#define RG_MAX_LAYERS 256
+
+/* errors ---------------------------------------------------------------------------------- */
+rg_status rg_fail(rg_status status, const char * fmt, ...) __attribute__((format(printf, 2, 3)));
+double    rg_now_ms(void);
+
+typedef enum { RG_ARCH_LLAMA, RG_ARCH_QWEN2, RG_ARCH_QWEN3, RG_ARCH_GEMMA3 } rg_arch;
+
+typedef struct {
+    rg_arch arch;
+    char    arch_name[32];
+    int     n_layer, n_embd, n_head, n_head_kv, head_dim_k, head_dim_v, n_ff, n_vocab;
+    int     n_ctx_train, n_rot, rope_mode, n_swa;
+    float   rms_eps, rope_base, rope_base_swa, rope_freq_scale, attn_scale, embd_scale;
+    bool    swa_layer[RG_MAX_LAYERS];
+    bool    gelu_ffn;        /* GeGLU (tanh approximation) instead of SwiGLU */
+    bool    post_norms;      /* gemma3: norm after attention and after the FFN */
+} rg_hparams;
+
+typedef struct {
+    struct ggml_tensor * attn_norm;
+    struct ggml_tensor * w[RG_N_TARGETS];   /* q k v o gate up down */
+    struct ggml_tensor * bq, * bk, * bv, * bo;
+    struct ggml_tensor * q_norm, * k_norm;
+    struct ggml_tensor * attn_post_norm, * ffn_norm, * ffn_post_norm;
+} rg_layer;
+
+struct rg_model {
+    rg_hparams              hp;
+    struct gguf_context   * gguf;
+    struct ggml_context   * wctx;        /* metadata of every tensor in the file */
+    ggml_backend_dev_t      dev;
+    int                     dev_index;
+    ggml_backend_t          backend;     /* the device the weights live on */
+    ggml_backend_t          backend_cpu; /* == backend on the CPU device */
+    ggml_backend_buffer_t   wbuf;
+    void                  * map_addr;
+    size_t                  map_size;
+    int                     n_threads;
+    struct ggml_tensor    * tok_embd, * output_norm, * output, * rope_freqs;
+    rg_layer                layers[RG_MAX_LAYERS];
+    int64_t                 n_params;
+    size_t                  weight_bytes;
+};
+
+typedef struct {
+    struct ggml_tensor * t[4];  /* RG_SLOT_*: param, grad, adam m, adam v */
+} rg_lora_slotset;
+
+typedef struct {
+    int             layer, target;
+    rg_lora_slotset a, b;
+} rg_lora_pair;
+
+struct rg_lora {
+    rg_model            * model;
+    int                   rank;
+    float                 alpha, scale;
+    uint32_t              target_mask;
+    int                   n_pairs;
+    rg_lora_pair        * pairs;
+    int                   pair_index[RG_MAX_LAYERS][RG_N_TARGETS];  /* -1 when absent */
+    struct ggml_context * ctx;
+    ggml_backend_buffer_t buf_param, buf_grad, buf_moments;
+    char               (* names)[96];   /* 2 per pair: lora_a, lora_b */
+};
+
+/* graph construction (graph.c) ------------------------------------------------------------ */
+typedef struct {
+    rg_model           * model;
+    rg_lora            * lora;        /* NULL: base model */
+    struct ggml_context * ctx;
+    int32_t              n_tokens;
+    struct ggml_tensor * inp_tokens;  /* I32 [T] */
+    struct ggml_tensor * inp_pos;     /* I32 [T] */
+    struct ggml_tensor * inp_mask;    /* F32 [T, T] causal + packing */
+    struct ggml_tensor * inp_mask_swa;/* F32 [T, T] additionally windowed, NULL when unused */
+    struct ggml_tensor * hidden;      /* F32 [n_embd, T] after the final norm */
+    bool                 train;       /* build for autodiff (composite ops with a backward) */
+    bool                 exact_ops;   /* composite ops only, no fused substitutes */
+    int                  matmul_mode; /* RG_MATMUL_* */
+    /* after the backward is built, consumers of subst_from[i] read subst_to[i] instead: the
+     * forward value then comes from llama.cpp's own fused op (bit-equal outputs) while the
+     * gradient comes from the composite that has a backward */
+    struct ggml_tensor * subst_from[RG_MAX_LAYERS];
+    struct ggml_tensor * subst_to[RG_MAX_LAYERS];
+    int                  n_subst;
+    char                 error[256];
+} rg_graph_build;
+
+/* Builds the trunk up to the final normed hidden state; returns false with b->error set. */
+bool rg_build_trunk(rg_graph_build * b);
+/* Fill the causal/packing (and sliding-window) masks for a batch. */
+void rg_fill_masks(const rg_hparams * hp, const rg_batch * batch, float * mask, float * mask_swa);
+
+/* Whether a weight of this type is multiplied through an on-the-fly F16 copy. */
+bool rg_use_f16_matmul(enum ggml_type type, int mode);
+
+/* LM head (head.c) -------------------------------------------------------------------------- */
+typedef struct rg_head rg_head;
+rg_head * rg_head_new(rg_model * model);
+void      rg_head_free(rg_head * head);
+/* Phase A: logits for the rows that have targets, log-probs of the targets, optional entropy.
+ * Keeps the softmax for phase B when it fits the budget. */
+rg_status rg_head_forward(rg_head * head, struct ggml_tensor * hidden, const rg_batch * batch,
+                          float * logp, float * entropy, bool keep_for_backward, size_t budget);
+/* Phase B: writes d(loss)/d(hidden) for all rows into grad_hidden ([n_embd, T] tensor). */
+rg_status rg_head_backward(rg_head * head, struct ggml_tensor * hidden,
+                           struct ggml_tensor * grad_hidden, const rg_batch * batch,
+                           const float * logp, const float * coeff);
+double    rg_head_ms(rg_head * head, bool reset);
+
+/* helpers -------------------------------------------------------------------------------- */
+bool rg_backend_is_host(ggml_backend_t backend);
+
+#endif /* RG_INTERNAL_H */
