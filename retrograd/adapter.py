@@ -1,0 +1,116 @@
+"""llama.cpp LoRA adapters as GGUF: writing (to bytes, for the in-memory swap after every optimizer
+step, or atomically to a file) and reading back (`[lora].init_adapter`, `--adapter`).
+
+The format is what llama.cpp's loader expects: general.type = "adapter", adapter.type = "lora",
+adapter.lora.alpha, and for every adapted weight W the F32 tensors "<W>.lora_a" (ne = [n_in, r])
+and "<W>.lora_b" (ne = [r, n_out]). The writer is a few lines of struct packing: it runs on the hot
+path of RL, where the adapter is re-serialised after each step.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ALIGN = 32
+_T_UINT32, _T_FLOAT32, _T_STRING = 4, 6, 8
+_GGML_F32 = 0
+
+
+def _s(text: str) -> bytes:
+    b = text.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def to_bytes(arch: str, alpha: float, tensors: dict[str, np.ndarray], name: str = "retrograd adapter") -> bytes:
+    """GGUF bytes of a LoRA adapter. tensors maps names to numpy arrays in (ne1, ne0) order."""
+    kv = [
+        ("general.architecture", _T_STRING, _s(arch)),
+        ("general.type", _T_STRING, _s("adapter")),
+        ("general.name", _T_STRING, _s(name)),
+        ("adapter.type", _T_STRING, _s("lora")),
+        ("adapter.lora.alpha", _T_FLOAT32, struct.pack("<f", float(alpha))),
+        ("general.alignment", _T_UINT32, struct.pack("<I", ALIGN)),
+    ]
+    out = io.BytesIO()
+    out.write(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)))
+    for key, typ, val in kv:
+        out.write(_s(key) + struct.pack("<I", typ) + val)
+    offset = 0
+    blobs = []
+    for tname, arr in tensors.items():
+        a = np.ascontiguousarray(arr, dtype=np.float32)
+        dims = list(reversed(a.shape))          # GGUF lists ne0 first
+        out.write(_s(tname) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims))
+        out.write(struct.pack("<IQ", _GGML_F32, offset))
+        blobs.append(a)
+        offset += (a.nbytes + ALIGN - 1) // ALIGN * ALIGN
+    pad = (-out.tell()) % ALIGN
+    out.write(b"\0" * pad)
+    for a in blobs:
+        out.write(a.tobytes())
+        out.write(b"\0" * ((-a.nbytes) % ALIGN))
+    return out.getvalue()
+
+
+def write(path: Path, data: bytes) -> None:
+    """Atomic: a kill at any moment leaves either the old file or the new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class AdapterFile:
+    arch: str
+    alpha: float
+    rank: int
+    tensors: dict[str, np.ndarray]
+
+
+class AdapterError(ValueError):
+    pass
+
+
+def read(path: Path) -> AdapterFile:
+    """Read and check a llama.cpp LoRA GGUF; errors name the file and the problem."""
+    import gguf
+
+    path = Path(path)
+    try:
+        r = gguf.GGUFReader(str(path))
+    except FileNotFoundError:
+        raise AdapterError(f"{path}: no such adapter file") from None
+    except Exception as exc:
+        raise AdapterError(f"{path}: not a readable GGUF file ({exc})") from None
+
+    def field(key):
+        f = r.fields.get(key)
+        return None if f is None else f.contents()
+
+    if field("general.type") != "adapter" or field("adapter.type") != "lora":
+        raise AdapterError(f"{path}: not a LoRA adapter (general.type={field('general.type')!r}, "
+                           f"adapter.type={field('adapter.type')!r})")
+    tensors: dict[str, np.ndarray] = {}
+    for t in r.tensors:
+        if t.tensor_type != gguf.GGMLQuantizationType.F32:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        else:
+            arr = np.array(t.data)
+        shape = tuple(int(x) for x in reversed([int(d) for d in t.shape]))
+        tensors[t.name] = np.asarray(arr, np.float32).reshape(shape)
+    ranks = {a.shape[0] for n, a in tensors.items() if n.endswith(".lora_a")}
+    if len(ranks) != 1:
+        raise AdapterError(f"{path}: LoRA tensors have ranks {sorted(ranks)}; expected one rank")
+    alpha = field("adapter.lora.alpha")
+    return AdapterFile(str(field("general.architecture")), float(alpha or 0.0), ranks.pop(), tensors)

@@ -1,0 +1,164 @@
+"""Checkpoints: `step-N.state/` directories holding everything a run needs to continue exactly
+where it stopped: adapter (llama.cpp GGUF), AdamW moments, step, data position, RNG state and the
+resolved configuration. Each is written under a temporary name and renamed, so a kill at any
+moment leaves the previous checkpoint intact; `latest` names the newest, `best.state` the best by
+the configured metric, and the adapter is also exported beside each directory (`step-N.gguf`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from retrograd import adapter as adapter_io
+from retrograd import native
+
+STATE_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def model_identity(trainable) -> dict:
+    info = trainable.info
+    st = os.stat(trainable.model_path)
+    return {"path": str(trainable.model_path), "size": st.st_size, "arch": info.arch,
+            "n_layer": info.n_layer, "n_embd": info.n_embd, "n_vocab": info.n_vocab}
+
+
+def lora_identity(trainable) -> dict:
+    s = trainable.spec
+    return {"rank": s.rank, "alpha": s.alpha, "targets": list(s.targets)}
+
+
+def save(directory: Path, step: int, trainable, trainer_state: dict, config: dict) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"step-{step}.state"
+    tmp = directory / f".step-{step}.state.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    data = trainable.adapter_bytes()
+    adapter_io.write(tmp / "adapter.gguf", data)
+    lora = trainable.lora
+    np.savez(tmp / "optimizer.npz",
+             **{f"m:{t.name}": lora.read(t.index, native.SLOT_ADAM_M) for t in lora.tensors},
+             **{f"v:{t.name}": lora.read(t.index, native.SLOT_ADAM_V) for t in lora.tensors})
+    _write_json(tmp / "state.json", {"version": STATE_VERSION, "step": step, "model": model_identity(trainable),
+                                     "lora": lora_identity(trainable), "trainer": trainer_state})
+    _write_json(tmp / "config.json", config)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    adapter_io.write(directory / f"step-{step}.gguf", data)
+    (directory / "latest.tmp").write_text(final.name + "\n")
+    os.replace(directory / "latest.tmp", directory / "latest")
+    _fsync_dir(directory)
+    return final
+
+
+def mark_best(directory: Path, state_dir: Path) -> Path:
+    """Copy a checkpoint to best.state (atomically) and export its adapter as best.gguf."""
+    directory = Path(directory)
+    tmp = directory / ".best.state.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(state_dir, tmp)
+    old = directory / ".best.state.old"
+    if (directory / "best.state").exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(directory / "best.state", old)
+    os.replace(tmp, directory / "best.state")
+    if old.exists():
+        shutil.rmtree(old)
+    shutil.copyfile(state_dir / "adapter.gguf", directory / "best.gguf.tmp")
+    os.replace(directory / "best.gguf.tmp", directory / "best.gguf")
+    return directory / "best.state"
+
+
+def prune(directory: Path, keep: int) -> None:
+    states = sorted(Path(directory).glob("step-*.state"), key=lambda p: int(p.name[5:-6]))
+    for p in states[:-keep] if keep > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)
+        gguf = p.with_suffix(".gguf")
+        if gguf.exists():
+            gguf.unlink()
+
+
+def latest(directory: Path) -> Optional[Path]:
+    directory = Path(directory)
+    pointer = directory / "latest"
+    if pointer.exists():
+        p = directory / pointer.read_text().strip()
+        if p.is_dir():
+            return p
+    states = sorted(directory.glob("step-*.state"), key=lambda p: int(p.name[5:-6]))
+    return states[-1] if states else None
+
+
+def adapter_of(state_dir: Path) -> Path:
+    """The adapter exported for a .state directory (serve/chat --checkpoint)."""
+    state_dir = Path(state_dir)
+    inside = state_dir / "adapter.gguf"
+    if not inside.exists():
+        raise CheckpointError(f"{state_dir}: not a checkpoint (no adapter.gguf inside)")
+    return inside
+
+
+def load(state_dir: Path, trainable) -> dict:
+    """Restore adapter and moments into `trainable`; returns the trainer state. Refuses checkpoints
+    of another model or an incompatible LoRA configuration, saying which."""
+    state_dir = Path(state_dir)
+    try:
+        meta = json.loads((state_dir / "state.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{state_dir}: not a checkpoint (no state.json)") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{state_dir}/state.json is corrupt: {exc}") from None
+    want, have = meta.get("model", {}), model_identity(trainable)
+    for key in ("arch", "n_layer", "n_embd", "n_vocab", "size"):
+        if want.get(key) != have.get(key):
+            raise CheckpointError(f"{state_dir}: checkpoint is for another model ({key} {want.get(key)!r} in the "
+                                  f"checkpoint, {have.get(key)!r} for {have['path']})")
+    want_l, have_l = meta.get("lora", {}), lora_identity(trainable)
+    for key in ("rank", "alpha", "targets"):
+        if want_l.get(key) != have_l.get(key):
+            raise CheckpointError(f"{state_dir}: incompatible [lora].{key}: checkpoint has {want_l.get(key)!r}, "
+                                  f"the configuration {have_l.get(key)!r}")
+    trainable.load_adapter(state_dir / "adapter.gguf")
+    moments = np.load(state_dir / "optimizer.npz")
+    lora = trainable.lora
+    for t in lora.tensors:
+        lora.write(t.index, moments[f"m:{t.name}"], native.SLOT_ADAM_M)
+        lora.write(t.index, moments[f"v:{t.name}"], native.SLOT_ADAM_V)
+    lora.zero(native.SLOT_GRAD)
+    return meta["trainer"] | {"step": meta["step"]}

@@ -1,0 +1,59 @@
+"""Command implementations behind retrograd.cli, and the mapping of known failures to one clear
+message and an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from retrograd.config import Config, ConfigError, check_paths, load
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    """The TOML file with the common command-line overrides applied (CLI paths resolve against
+    the current directory)."""
+    cfg = load(Path(args.config))
+    if getattr(args, "model", None):
+        cfg.model.path = Path(args.model).resolve()
+    if getattr(args, "device", None):
+        cfg.model.device = args.device
+    if getattr(args, "ctx", None):
+        if args.ctx < 16:
+            raise ConfigError(f"--ctx must be >= 16, got {args.ctx}")
+        cfg.model.ctx = args.ctx
+    check_paths(cfg)
+    return cfg
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    from retrograd.adapter import AdapterError
+    from retrograd.checkpoint import CheckpointError
+    from retrograd.data.chat import ChatTemplateError
+    from retrograd.data.formats import DataError
+    from retrograd.models import ModelNotFound
+    from retrograd.native import NativeError
+    from retrograd.trainer import TrainError
+
+    try:
+        if args.command in ("inspect", "preflight"):
+            from retrograd.commands import inspect as cmd
+        elif args.command == "train":
+            from retrograd.commands import train as cmd
+        elif args.command == "bench":
+            from retrograd.eval import bench as cmd
+        elif args.command == "chat":
+            from retrograd.commands import chat as cmd
+        else:  # pragma: no cover - the parser knows every command
+            raise SystemExit(f"unknown command {args.command}")
+        return cmd.run(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (DataError, ModelNotFound, AdapterError, CheckpointError, ChatTemplateError, TrainError,
+            NativeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,77 @@
+"""`retrograd inspect` and `retrograd preflight`: what a GGUF is, and whether the chosen device can
+run its training graph."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+from retrograd import native
+from retrograd.models import default_model_path
+
+
+def _model_path(args: argparse.Namespace) -> Path:
+    if args.model:
+        p = Path(args.model).resolve()
+        if not p.is_file():
+            raise native.NativeError(2, f"{p}: no such model file")
+        return p
+    return default_model_path()
+
+
+def suggested_targets(info: native.ModelInfo) -> str:
+    """All seven projections for small models; attention only when the model is large for a laptop."""
+    if info.n_params > 3_000_000_000:
+        return "q,k,v,o (the model is large: start with attention only)"
+    return "q,k,v,o,gate,up,down"
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    path = _model_path(args)
+    m = native.Model(path, device=args.device or "auto", threads=1)
+    i = m.info
+    types = collections.Counter(t for _, t, _ in m.tensors())
+    print(f"model        {path}")
+    print(f"architecture {i.arch}")
+    print(f"parameters   {i.n_params / 1e6:.1f} M in {i.weight_bytes / 2**20:.1f} MiB "
+          f"({i.weight_bytes * 8 / max(i.n_params, 1):.2f} bits per weight)")
+    print(f"layers       {i.n_layer}, width {i.n_embd}, feed-forward {i.n_ff}")
+    print(f"attention    {i.n_head} heads ({i.n_head_kv} key/value), head size {i.head_dim}"
+          + (f", sliding window {i.n_swa} on {i.n_swa_layers} layers" if i.n_swa else "")
+          + (", q/k norms" if i.has_qk_norm else ""))
+    print(f"rope         base {i.rope_base:g}" + (f" (local layers {i.rope_base_swa:g})" if i.n_swa else "")
+          + f", {'neox' if i.rope_mode == 2 else 'normal'} mode, {i.n_rot} dims")
+    print(f"vocabulary   {i.n_vocab}, output {'tied to the embeddings' if i.tied_output else 'separate'}")
+    print(f"context      {i.n_ctx_train} (training)")
+    print("tensor types " + ", ".join(f"{t} x{n}" for t, n in types.most_common()))
+    print(f"LoRA targets {suggested_targets(i)}")
+    dev = m.device
+    print(f"device       {dev.name} ({dev.kind}, {dev.description})" + (", weights memory-mapped" if i.mmapped else ""))
+    return 0
+
+
+def run_preflight(args: argparse.Namespace) -> int:
+    path = _model_path(args)
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    bad = [t for t in targets if t not in native.TARGETS]
+    if bad or not targets:
+        print(f"error: --targets: expected some of {','.join(native.TARGETS)}, got {args.targets!r}", file=sys.stderr)
+        return 2
+    m = native.Model(path, device=args.device or "auto", threads=1)
+    e = native.Engine(m)
+    lora = native.Lora(m, targets, 16, 32.0)
+    unsupported = e.preflight(lora, args.tokens)
+    dev = m.device
+    if not unsupported:
+        print(f"{dev.name}: every op of the training graph ({','.join(targets)}, {args.tokens} tokens) runs on the device")
+        return 0
+    print(f"{dev.name} cannot run these ops of the training graph; they fall back to the CPU:")
+    for op, n in unsupported.items():
+        print(f"  {op:<20} {n}")
+    return 1 if args.strict else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_inspect(args) if args.command == "inspect" else run_preflight(args)

@@ -1,0 +1,253 @@
+"""Run configuration: typed dataclasses read from TOML, validated with messages that name the file,
+the key and what was expected.
+
+Paths written in the file resolve against the file's directory; paths given on the command line
+resolve against the current directory (the CLI resolves them before they get here). The resolved
+configuration is written into the run's output and into every checkpoint (`to_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ALGORITHMS = ("sft", "grpo", "ppo", "distill", "preference", "agent_grpo")
+BUILT_ALGORITHMS = ("sft",)
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class ConfigError(ValueError):
+    """One clear line: file, key, what was expected."""
+
+
+def opt(default: Any = None, help: str = "", *, choices: tuple = (), min: float | None = None,
+        max: float | None = None, path: bool = False) -> Any:
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "path": path}
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelSection:
+    path: Optional[Path] = opt(None, "GGUF model; omitted means the embedded default model", path=True)
+    ctx: int = opt(2048, "context length for generation and the longest training sequence", min=16)
+    chat_template: Optional[str] = opt(None, "Jinja chat template overriding the model's own")
+    threads: int = opt(0, "CPU threads for generation (0: all cores)", min=0)
+    device: str = opt("auto", "auto, cpu or gpu", choices=("auto", "cpu", "gpu"))
+
+
+@dataclass
+class LoraSection:
+    rank: int = opt(16, "LoRA rank", min=1, max=4096)
+    alpha: float = opt(32.0, "LoRA alpha; the update is scaled by alpha / rank", min=0.0)
+    dropout: float = opt(0.0, "LoRA dropout (only 0.0 is supported in this version)", min=0.0, max=0.0)
+    targets: list = opt(list(TARGETS), "projections that get an adapter: q k v o gate up down")
+    init_adapter: Optional[Path] = opt(None, "start from this llama.cpp LoRA GGUF", path=True)
+
+
+@dataclass
+class RunSection:
+    algorithm: str = opt("sft", "training algorithm", choices=ALGORITHMS)
+    name: str = opt("", "run name (default: the config file's name)")
+    output: Optional[Path] = opt(None, "run directory (default: runs/<name> beside the config)", path=True)
+    seed: int = opt(0, "seed for initialisation, data order and sampling", min=0)
+
+
+@dataclass
+class DataSection:
+    train: Optional[Path] = opt(None, "training data, JSONL", path=True)
+    format: str = opt("auto", "record format", choices=("auto", "text", "chat", "prompt_completion", "tools"))
+    max_length: int = opt(1024, "longer examples are truncated to this many tokens", min=8)
+    packing: bool = opt(True, "pack several short examples into one micro-batch")
+    eval_split: float = opt(0.0, "fraction of the training data held out for evaluation", min=0.0, max=0.5)
+    skip_bad_lines: bool = opt(False, "skip malformed lines (counted and reported) instead of stopping")
+    shuffle: bool = opt(True, "shuffle the training examples every epoch")
+
+
+@dataclass
+class TrainingSection:
+    epochs: float = opt(1.0, "passes over the training data (ignored when max_steps > 0)", min=0.0)
+    max_steps: int = opt(0, "optimizer steps; 0 means derive from epochs", min=0)
+    batch_size: int = opt(8, "sequences per optimizer step (before grad_accum)", min=1)
+    batch_tokens: int = opt(0, "if > 0, batches are cut by this many tokens instead of batch_size", min=0)
+    micro_batch_tokens: int = opt(512, "tokens per forward/backward pass (memory knob)", min=16)
+    grad_accum: int = opt(1, "batches accumulated per optimizer step", min=1)
+    learning_rate: float = opt(2e-4, "peak learning rate", min=0.0)
+    lr_schedule: str = opt("cosine", "decay after warm-up", choices=("cosine", "linear", "constant"))
+    warmup_steps: int = opt(0, "linear warm-up steps", min=0)
+    weight_decay: float = opt(0.0, "AdamW decoupled weight decay", min=0.0)
+    beta1: float = opt(0.9, "AdamW beta1", min=0.0, max=0.999999)
+    beta2: float = opt(0.999, "AdamW beta2", min=0.0, max=0.999999)
+    eps: float = opt(1e-8, "AdamW epsilon", min=0.0)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: off)", min=0.0)
+    threads: int = opt(0, "CPU threads (0: all cores; RETRO_THREADS overrides)", min=0)
+    require_gpu_resident: bool = opt(False, "fail if any op of the training graph would run on the CPU")
+    log_every: int = opt(1, "write a metrics line every N steps", min=1)
+
+
+@dataclass
+class CheckpointSection:
+    directory: Optional[Path] = opt(None, "where step-N.state directories go (default: <output>/checkpoints)",
+                                    path=True)
+    every_steps: int = opt(50, "save every N optimizer steps (0: only at the end)", min=0)
+    keep: int = opt(3, "keep the last K checkpoints (best.state is kept apart)", min=1)
+    best_metric: str = opt("eval_loss", "metric that selects best.state (lower is better)")
+
+
+@dataclass
+class EvaluationSection:
+    data: Optional[Path] = opt(None, "evaluation data (default: the held-out split)", path=True)
+    every_steps: int = opt(0, "evaluate every N steps (0: only at the end)", min=0)
+    limit: int = opt(0, "evaluate on at most N examples (0: all)", min=0)
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    run: RunSection = field(default_factory=RunSection)
+    data: DataSection = field(default_factory=DataSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    evaluation: EvaluationSection = field(default_factory=EvaluationSection)
+    source: Optional[Path] = None      # the TOML file, when there is one
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.name == "source":
+                continue
+            sec = getattr(self, f.name)
+            out[f.name] = {k.name: _plain(getattr(sec, k.name)) for k in dataclasses.fields(sec)
+                           if getattr(sec, k.name) is not None}
+        return out
+
+
+def _plain(v: Any) -> Any:
+    return str(v) if isinstance(v, Path) else v
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _describe(args[0])
+    if origin is list or tp is list:
+        return "a list of strings"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            Path: "a path (string)"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str, meta: dict, base: Path) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    elif tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        value = float(value)
+    elif tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+    elif tp is Path:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where}: expected a path (string), got {value!r}")
+        p = Path(value).expanduser()
+        value = p if p.is_absolute() else (base / p)
+    elif tp is list or origin is list:
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+    if meta.get("choices") and value not in meta["choices"]:
+        raise ConfigError(f"{where}: expected one of {', '.join(map(str, meta['choices']))}, got {value!r}")
+    if meta.get("min") is not None and isinstance(value, (int, float)) and value < meta["min"]:
+        raise ConfigError(f"{where}: must be >= {meta['min']}, got {value!r}")
+    if meta.get("max") is not None and isinstance(value, (int, float)) and value > meta["max"]:
+        raise ConfigError(f"{where}: must be <= {meta['max']}, got {value!r}")
+    return value
+
+
+def from_dict(raw: dict, source: Optional[Path] = None) -> Config:
+    label = str(source) if source else "<config>"
+    base = source.parent if source else Path.cwd()
+    cfg = Config(source=source)
+    sections = {f.name: f for f in dataclasses.fields(Config) if f.name != "source"}
+    for name, body in raw.items():
+        if name not in sections:
+            raise ConfigError(f"{label}: unknown section [{name}]; expected one of "
+                              f"{', '.join('[' + s + ']' for s in sections)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{label}: [{name}] must be a table, got {body!r}")
+        sec = getattr(cfg, name)
+        known = {f.name: f for f in dataclasses.fields(sec)}
+        hints = typing.get_type_hints(type(sec))
+        for key, value in body.items():
+            where = f"{label}: [{name}].{key}"
+            if key not in known:
+                raise ConfigError(f"{label}: unknown key [{name}].{key}; expected one of {', '.join(known)}")
+            setattr(sec, key, _coerce(value, hints[key], where, dict(known[key].metadata), base))
+    _cross_check(cfg, label)
+    return cfg
+
+
+def _cross_check(cfg: Config, label: str) -> None:
+    bad = [t for t in cfg.lora.targets if t not in TARGETS]
+    if bad or not cfg.lora.targets:
+        raise ConfigError(f"{label}: [lora].targets: expected some of {', '.join(TARGETS)}, got {cfg.lora.targets!r}")
+    if cfg.run.algorithm not in BUILT_ALGORITHMS:
+        raise ConfigError(f"{label}: [run].algorithm = {cfg.run.algorithm!r} is not built yet in this version "
+                          f"(available: {', '.join(BUILT_ALGORITHMS)})")
+
+
+def load(path: Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such configuration file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return from_dict(raw, path.resolve())
+
+
+def check_paths(cfg: Config) -> None:
+    """Files the run will read must exist (checked once everything is resolved)."""
+    label = str(cfg.source) if cfg.source else "<config>"
+    for sec, key in (("model", "path"), ("lora", "init_adapter"), ("data", "train"), ("evaluation", "data")):
+        p = getattr(getattr(cfg, sec), key)
+        if p is not None and not Path(p).is_file():
+            raise ConfigError(f"{label}: [{sec}].{key}: file not found: {p}")
+
+
+def describe() -> str:
+    """Every section and key with type, default and help, for `--help` style listings."""
+    lines = []
+    for f in dataclasses.fields(Config):
+        if f.name == "source":
+            continue
+        lines.append(f"[{f.name}]")
+        sec = f.default_factory()
+        hints = typing.get_type_hints(type(sec))
+        for k in dataclasses.fields(sec):
+            lines.append(f"  {k.name:<20} {_describe(hints[k.name]):<18} default {getattr(sec, k.name)!r:<12} "
+                         f"{k.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""From examples to engine micro-batches: deterministic epoch orders (resumable by position),
+greedy packing under a token budget, and the (row, next token) targets of the trained tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from retrograd.data.formats import Example
+from retrograd.native import Batch
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The order of epoch `epoch`: a pure function of (seed, epoch), so a resumed run sees the same."""
+    if not shuffle:
+        return np.arange(n)
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def split_holdout(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    if fraction <= 0 or len(examples) < 2:
+        return examples, []
+    order = np.random.default_rng([seed, 7919]).permutation(len(examples))
+    k = max(1, int(round(len(examples) * fraction)))
+    held = set(order[:k].tolist())
+    return ([e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held])
+
+
+@dataclass
+class Cursor:
+    """Position in the stream of training examples: epoch and index within its order."""
+
+    epoch: int = 0
+    index: int = 0
+
+    def to_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+
+class ExampleStream:
+    """Endless, resumable stream of examples over epochs."""
+
+    def __init__(self, examples: Sequence[Example], seed: int, shuffle: bool, cursor: Optional[Cursor] = None):
+        self.examples = examples
+        self.seed = seed
+        self.shuffle = shuffle
+        self.cursor = cursor or Cursor()
+        self._order = epoch_order(len(examples), seed, self.cursor.epoch, shuffle)
+
+    def take(self, n: int = 0, tokens: int = 0) -> list[Example]:
+        """The next n examples, or as many as fit in `tokens` (at least one)."""
+        out: list[Example] = []
+        used = 0
+        while True:
+            if self.cursor.index >= len(self._order):
+                self.cursor = Cursor(self.cursor.epoch + 1, 0)
+                self._order = epoch_order(len(self.examples), self.seed, self.cursor.epoch, self.shuffle)
+            ex = self.examples[self._order[self.cursor.index]]
+            if tokens and out and used + len(ex.tokens) > tokens:
+                return out
+            out.append(ex)
+            used += len(ex.tokens)
+            self.cursor = Cursor(self.cursor.epoch, self.cursor.index + 1)
+            if (n and len(out) >= n) or (tokens and used >= tokens):
+                return out
+
+    @property
+    def epoch_progress(self) -> float:
+        return self.cursor.epoch + self.cursor.index / max(1, len(self.examples))
+
+
+def pack(examples: Sequence[Example], budget: int, packing: bool = True) -> list[list[Example]]:
+    """Group examples into micro-batches of at most `budget` tokens (first fit, in order). An
+    example longer than the budget gets a micro-batch of its own."""
+    groups: list[list[Example]] = []
+    sizes: list[int] = []
+    for ex in examples:
+        n = len(ex.tokens)
+        if packing:
+            for g, size in enumerate(sizes):
+                if size + n <= budget:
+                    groups[g].append(ex)
+                    sizes[g] += n
+                    break
+            else:
+                groups.append([ex])
+                sizes.append(n)
+        else:
+            groups.append([ex])
+            sizes.append(n)
+    return groups
+
+
+def to_batch(group: Sequence[Example]) -> tuple[Batch, np.ndarray]:
+    """One packed micro-batch, plus for each target the index of its example in `group`."""
+    toks, pos, seq, rows, ids, owner = [], [], [], [], [], []
+    offset = 0
+    for s, ex in enumerate(group):
+        n = len(ex.tokens)
+        toks.append(ex.tokens)
+        pos.append(np.arange(n, dtype=np.int32))
+        seq.append(np.full(n, s, np.int32))
+        labels = np.nonzero(ex.trained[1:])[0]          # label index i+1 is predicted at row i
+        rows.append(labels + offset)
+        ids.append(ex.tokens[labels + 1])
+        owner.append(np.full(len(labels), s, np.int32))
+        offset += n
+    batch = Batch(np.concatenate(toks), np.concatenate(pos), np.concatenate(seq),
+                  np.concatenate(rows), np.concatenate(ids))
+    return batch, np.concatenate(owner)

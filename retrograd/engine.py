@@ -1,0 +1,98 @@
+"""The trainable model: a quantized GGUF, a LoRA adapter on it, and the native engine that turns
+per-token loss coefficients into adapter gradients. Algorithms and the trainer talk to this.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from retrograd import adapter as adapter_io
+from retrograd import native
+from retrograd.native import Batch, CoeffFn, LossInputs, LossOutputs  # noqa: F401 - re-exported
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int = 16
+    alpha: float = 32.0
+    targets: tuple[str, ...] = native.TARGETS
+
+
+class Trainable:
+    """A model with a LoRA adapter, ready for forward passes and gradient accumulation."""
+
+    def __init__(self, model_path: str | os.PathLike, spec: LoraSpec, *, device: str = "auto",
+                 threads: Optional[int] = None, seed: int = 0) -> None:
+        self.model_path = Path(model_path)
+        self.model = native.Model(self.model_path, device=device, threads=threads)
+        self.engine = native.Engine(self.model)
+        self.spec = spec
+        self.lora = native.Lora(self.model, spec.targets, spec.rank, spec.alpha)
+        self.init_lora(seed)
+
+    @property
+    def info(self) -> native.ModelInfo:
+        return self.model.info
+
+    def init_lora(self, seed: int) -> None:
+        """Standard LoRA initialisation: A uniform in +-1/sqrt(n_in) (Kaiming with a=sqrt(5)), B = 0,
+        so a fresh adapter leaves the model unchanged."""
+        rng = np.random.default_rng(seed)
+        for t in self.lora.tensors:
+            if t.name.endswith(".lora_a"):
+                bound = 1.0 / np.sqrt(t.shape[1])
+                self.lora.write(t.index, rng.uniform(-bound, bound, t.shape).astype(np.float32))
+            else:
+                self.lora.write(t.index, np.zeros(t.shape, np.float32))
+        for slot in (native.SLOT_GRAD, native.SLOT_ADAM_M, native.SLOT_ADAM_V):
+            self.lora.zero(slot)
+
+    # ---- adapters as files -------------------------------------------------------------------
+    def adapter_bytes(self) -> bytes:
+        return adapter_io.to_bytes(self.info.arch, self.spec.alpha, self.lora.state())
+
+    def save_adapter(self, path: Path) -> None:
+        adapter_io.write(path, self.adapter_bytes())
+
+    def load_adapter(self, path: Path) -> None:
+        """Load a llama.cpp LoRA GGUF into the adapter; it must match this model and spec."""
+        f = adapter_io.read(path)
+        if f.arch != self.info.arch:
+            raise adapter_io.AdapterError(f"{path}: adapter is for architecture {f.arch!r}, "
+                                          f"the model is {self.info.arch!r}")
+        if f.rank != self.spec.rank:
+            raise adapter_io.AdapterError(f"{path}: adapter rank {f.rank} differs from [lora].rank = {self.spec.rank}")
+        if abs(f.alpha - self.spec.alpha) > 1e-6 and f.alpha != 0:
+            raise adapter_io.AdapterError(f"{path}: adapter alpha {f.alpha} differs from [lora].alpha = {self.spec.alpha}")
+        missing = [t.name for t in self.lora.tensors if t.name not in f.tensors]
+        extra = sorted(set(f.tensors) - set(self.lora.index))
+        if missing or extra:
+            raise adapter_io.AdapterError(
+                f"{path}: adapter targets differ from [lora].targets = {list(self.spec.targets)} "
+                f"(missing {missing[:2]}, unexpected {extra[:2]})")
+        for t in self.lora.tensors:
+            arr = f.tensors[t.name]
+            if arr.shape != t.shape:
+                raise adapter_io.AdapterError(f"{path}: {t.name} has shape {arr.shape}, expected {t.shape}")
+            self.lora.write(t.index, arr)
+
+    # ---- computation ----------------------------------------------------------------------------
+    def logprobs(self, batch: Batch, *, adapter: bool = True, entropy: bool = False,
+                 hidden: bool = False) -> LossInputs:
+        return self.engine.forward(self.lora if adapter else None, batch, entropy=entropy, hidden=hidden)
+
+    def accumulate(self, batch: Batch, fn: CoeffFn, *, entropy: bool = False, hidden: bool = False) -> np.ndarray:
+        return self.engine.accumulate(self.lora, batch, fn, entropy=entropy, hidden=hidden)
+
+    def optimizer_step(self, **kw) -> float:
+        return self.engine.adamw(self.lora, **kw)
+
+    def close(self) -> None:
+        self.lora.close()
+        self.engine.close()
+        self.model.close()

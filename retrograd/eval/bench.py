@@ -1,0 +1,78 @@
+"""`retrograd bench`: evaluate without training. For sft, loss and perplexity on the trained tokens
+of the base model and, with --adapter, of the adapter on the same examples."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from retrograd.algorithms.sft import evaluate_nll
+from retrograd.commands import load_config
+from retrograd.config import ConfigError
+from retrograd.data.batching import split_holdout
+from retrograd.data.formats import DataError, load_examples
+from retrograd.trainer import open_model
+
+UNSUPPORTED = {
+    "agent_grpo": "bench does not support agent_grpo; use `retrograd collect --report` to measure pass rates.",
+    "preference": "bench does not support preference; a run with [evaluation] reports its preference accuracy "
+                  "at each evaluation (metrics.jsonl).",
+}
+
+
+def eval_examples(ctx, args):
+    cfg = ctx.cfg
+    max_len = min(cfg.data.max_length, cfg.model.ctx)
+    if args.data:
+        path = Path(args.data).resolve()
+    elif cfg.evaluation.data:
+        path = Path(cfg.evaluation.data)
+    elif cfg.data.train and cfg.data.eval_split > 0:
+        examples, _ = load_examples(Path(cfg.data.train), ctx.tokenizer, ctx.chat, fmt=cfg.data.format,
+                                    max_length=max_len, skip_bad=cfg.data.skip_bad_lines)
+        return split_holdout(examples, cfg.data.eval_split, cfg.run.seed)[1], f"{cfg.data.train} (held-out split)"
+    else:
+        raise ConfigError(f"{cfg.source}: no evaluation data: pass --data, or set [evaluation].data "
+                          "or [data].eval_split")
+    examples, _ = load_examples(path, ctx.tokenizer, ctx.chat, fmt=cfg.data.format, max_length=max_len,
+                                skip_bad=cfg.data.skip_bad_lines)
+    return examples, str(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args)
+    if cfg.run.algorithm in UNSUPPORTED:
+        print(UNSUPPORTED[cfg.run.algorithm], file=sys.stderr)
+        return 2
+    ctx = open_model(cfg, need_data=False)
+    examples, source = eval_examples(ctx, args)
+    if args.limit is not None:
+        if args.limit < 1:
+            raise ConfigError(f"--limit must be >= 1, got {args.limit}")
+        examples = examples[: args.limit]
+    if not examples:
+        raise DataError(f"{source}: no examples to evaluate")
+    budget = cfg.training.micro_batch_tokens
+    results = {"base": evaluate_nll(ctx.trainable, examples, budget, adapter=False)}
+    if args.adapter:
+        ctx.trainable.load_adapter(Path(args.adapter).resolve())
+        results["adapter"] = evaluate_nll(ctx.trainable, examples, budget, adapter=True)
+    report = {"algorithm": cfg.run.algorithm, "model": str(ctx.trainable.model_path), "data": source,
+              "examples": len(examples), "adapter": str(Path(args.adapter).resolve()) if args.adapter else None,
+              "results": results}
+    fmt = args.format
+    if fmt == "auto":
+        fmt = "text" if sys.stdout.isatty() else "jsonl"
+    if fmt == "jsonl":
+        print(json.dumps(report))
+    else:
+        print(f"{len(examples)} examples from {source}, {int(results['base']['eval_tokens'])} scored tokens")
+        print(f"{'':<10}{'loss':>10}{'perplexity':>12}")
+        for name, r in results.items():
+            print(f"{name:<10}{r['eval_loss']:>10.4f}{r['eval_ppl']:>12.3f}")
+        if "adapter" in results:
+            d = results["adapter"]["eval_loss"] - results["base"]["eval_loss"]
+            print(f"{'change':<10}{d:>+10.4f}")
+    return 0

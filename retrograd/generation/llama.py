@@ -1,0 +1,238 @@
+"""Text generation on llama.cpp (through llama-cpp-python's low-level API, sharing the process's one
+ggml): many sequences decoded in one batch, each with its own sampler settings and RNG, the
+prompt's KV cache shared by all sequences of a group, and the LoRA adapter swapped in from memory
+(a GGUF in a byte buffer opened with fmemopen, never a temporary file).
+
+Sampling happens on the host from the logits (temperature, top-k, top-p, seeded), so each
+sequence's token log-probabilities under the model come back with the text.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import llama_cpp.llama_cpp as lc
+import numpy as np
+
+from retrograd.data.tokenizer import Tokenizer, quiet_llama_logs
+
+_libc = ctypes.CDLL(None)
+_libc.fmemopen.restype = ctypes.c_void_p
+_libc.fmemopen.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_libc.fclose.argtypes = [ctypes.c_void_p]
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 0
+    max_new_tokens: int = 256
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Completion:
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)   # log p(token) under the untempered model
+    finish_reason: str = "length"                        # "stop" (end token or stop string) or "length"
+
+
+def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> tuple[int, float]:
+    """Choose a token; return it and its log-probability under the model (temperature 1)."""
+    z = logits.astype(np.float64)
+    zmax = z.max()
+    logp_model = z - zmax - np.log(np.exp(z - zmax).sum())
+    if p.temperature <= 0:
+        tok = int(np.argmax(z))
+        return tok, float(logp_model[tok])
+    z = (z - zmax) / p.temperature
+    if p.top_k and p.top_k < len(z):
+        kth = np.partition(z, -p.top_k)[-p.top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    if 0 < p.top_p < 1:
+        order = np.argsort(-probs, kind="stable")
+        cum = np.cumsum(probs[order])
+        cut = int(np.searchsorted(cum, p.top_p)) + 1
+        keep = order[:cut]
+        mask = np.zeros_like(probs)
+        mask[keep] = probs[keep]
+        probs = mask / mask.sum()
+    tok = int(rng.choice(len(probs), p=probs))
+    return tok, float(logp_model[tok])
+
+
+class Generator:
+    """A llama.cpp model and context for generation, with an adapter slot."""
+
+    def __init__(self, model_path: str | os.PathLike, *, n_ctx: int = 2048, n_seq: int = 1,
+                 threads: Optional[int] = None, device: str = "auto") -> None:
+        quiet_llama_logs()
+        self.path = Path(model_path)
+        self.tokenizer = Tokenizer(self.path)
+        mp = lc.llama_model_default_params()
+        mp.n_gpu_layers = 0 if device == "cpu" else 999
+        self._model = lc.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self._model:
+            raise ValueError(f"{self.path}: llama.cpp could not load the model")
+        self.n_seq = max(1, n_seq)
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = n_ctx * self.n_seq
+        cp.n_batch = max(512, n_ctx)
+        cp.n_ubatch = 512
+        cp.n_seq_max = self.n_seq
+        cp.kv_unified = True
+        cp.n_threads = cp.n_threads_batch = threads or (os.cpu_count() or 1)
+        self._ctx = lc.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            raise ValueError(f"{self.path}: llama.cpp could not create a context of {cp.n_ctx} tokens")
+        self.n_ctx = n_ctx
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
+        self._mem = lc.llama_get_memory(self._ctx)
+        self._adapter = None
+        self._cache: list[int] = []    # tokens in sequence 0's KV cache, for prefix reuse
+
+    # ---- adapters ------------------------------------------------------------------------------
+    def set_adapter(self, data: Optional[bytes], scale: float = 1.0) -> None:
+        """Swap in an adapter from GGUF bytes (None switches it off)."""
+        old = self._adapter
+        if data is None:
+            lc.llama_set_adapters_lora(self._ctx, None, 0, None)
+            self._adapter = None
+        else:
+            buf = ctypes.create_string_buffer(data, len(data))
+            fp = _libc.fmemopen(buf, len(data), b"rb")
+            if not fp:
+                raise OSError("fmemopen failed")
+            try:
+                ad = lc.llama_adapter_lora_init_from_file_ptr(self._model, fp)
+            finally:
+                _libc.fclose(fp)
+            if not ad:
+                raise ValueError("llama.cpp rejected the adapter (wrong model?)")
+            arr = (lc.llama_adapter_lora_p_ctypes * 1)(ad)
+            scales = (ctypes.c_float * 1)(scale)
+            if lc.llama_set_adapters_lora(self._ctx, arr, 1, scales) != 0:
+                raise ValueError("llama.cpp could not apply the adapter")
+            self._adapter = ad
+        if old is not None:
+            lc.llama_adapter_lora_free(old)
+        self._cache = []               # cached keys/values were computed with other weights
+
+    def load_adapter(self, path: str | os.PathLike) -> None:
+        self.set_adapter(Path(path).read_bytes())
+
+    @property
+    def has_adapter(self) -> bool:
+        return self._adapter is not None
+
+    # ---- decoding ----------------------------------------------------------------------------
+    def _decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
+                logits: Sequence[bool]) -> None:
+        n = len(tokens)
+        for s in range(0, n, 512):
+            e = min(n, s + 512)
+            batch = lc.llama_batch_init(e - s, 0, 1)
+            try:
+                for i in range(s, e):
+                    j = i - s
+                    batch.token[j] = tokens[i]
+                    batch.pos[j] = positions[i]
+                    batch.n_seq_id[j] = 1
+                    batch.seq_id[j][0] = seqs[i]
+                    batch.logits[j] = logits[i]
+                batch.n_tokens = e - s
+                rc = lc.llama_decode(self._ctx, batch)
+                if rc != 0:
+                    raise RuntimeError(f"llama_decode failed ({rc}): context of {self.n_ctx} tokens too small?")
+            finally:
+                lc.llama_batch_free(batch)
+
+    def _logits(self, i: int) -> np.ndarray:
+        return np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, i), shape=(self.n_vocab,)).copy()
+
+    def _prefill(self, prompt: Sequence[int], n_seq: int) -> np.ndarray:
+        """Put the prompt in sequence 0 (reusing the cached prefix) and share it with 1..n_seq-1."""
+        if len(prompt) + 1 > self.n_ctx:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context of {self.n_ctx}")
+        common = 0
+        while common < min(len(prompt) - 1, len(self._cache)) and self._cache[common] == prompt[common]:
+            common += 1
+        lc.llama_memory_seq_rm(self._mem, 0, common, -1)
+        for s in range(1, self.n_seq):
+            lc.llama_memory_seq_rm(self._mem, s, -1, -1)
+        rest = list(prompt[common:])
+        self._decode(rest, range(common, len(prompt)), [0] * len(rest), [False] * (len(rest) - 1) + [True])
+        self._cache = list(prompt)
+        last = self._logits(len(rest) - 1)
+        for s in range(1, n_seq):
+            lc.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
+        return last
+
+    def generate(self, prompt: Sequence[int], params: Sequence[SamplingParams]) -> list[Completion]:
+        """Continue one prompt len(params) times in one batch (a GRPO group, or a single answer)."""
+        n = len(params)
+        if n > self.n_seq:
+            raise ValueError(f"{n} sequences requested, the context was made for {self.n_seq}")
+        first = self._prefill(prompt, n)
+        tok = self.tokenizer
+        outs = [Completion() for _ in range(n)]
+        rngs = [np.random.default_rng(p.seed) for p in params]
+        active = list(range(n))
+        logits = {s: first for s in active}
+        pos = len(prompt)
+        self._cache = list(prompt)       # sequence 0 grows past the prompt; only the prompt is reusable
+        while active:
+            step_tokens, step_seqs = [], []
+            for s in list(active):
+                t, lp = sample(logits[s], params[s], rngs[s])
+                o = outs[s]
+                if t in tok.eog_ids:
+                    o.finish_reason = "stop"
+                    active.remove(s)
+                    continue
+                o.tokens.append(t)
+                o.logprobs.append(lp)
+                if params[s].stop:
+                    o.text = tok.decode(o.tokens)
+                    hit = min((o.text.find(x) for x in params[s].stop if x in o.text), default=-1)
+                    if hit >= 0:
+                        o.text = o.text[:hit]
+                        o.finish_reason = "stop"
+                        active.remove(s)
+                        continue
+                if len(o.tokens) >= params[s].max_new_tokens or pos + 1 >= self.n_ctx:
+                    active.remove(s)
+                    continue
+                step_tokens.append(t)
+                step_seqs.append(s)
+            if not step_tokens:
+                break
+            self._decode(step_tokens, [pos] * len(step_tokens), step_seqs, [True] * len(step_tokens))
+            logits = {s: self._logits(i) for i, s in enumerate(step_seqs)}
+            pos += 1
+        self._cache = list(prompt)
+        lc.llama_memory_seq_rm(self._mem, 0, len(prompt), -1)
+        for o, p in zip(outs, params):
+            if not (p.stop and o.finish_reason == "stop"):
+                o.text = tok.decode(o.tokens)
+        return outs
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            lc.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            lc.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        self.close()
