@@ -88,7 +88,10 @@ void rg_engine_free(rg_engine * e) {
     free(e);
 }
 
-void rg_engine_set_matmul_mode(rg_engine * e, int mode) { e->matmul_mode = mode; }
+void rg_engine_set_matmul_mode(rg_engine * e, int mode) {
+    e->matmul_mode = mode;
+    rg_head_set_exact(e->head, mode == RG_MATMUL_F32);
+}
 
 void rg_engine_set_exact_ops(rg_engine * e, int on) { e->exact_ops = on != 0; }
 
@@ -206,7 +209,7 @@ static struct ggml_cgraph * rewrite(rg_engine * e, rg_graph_build * b, struct gg
         const double copied = (w ? 0 : (double) ggml_nelements(a)) + (bt->op == GGML_OP_TRANSPOSE ? 0 : (double) ggml_nelements(bt));
         if (copied > 0 && macs < 64.0 * copied) continue;
         struct ggml_tensor * x;
-        if (w && w->type != GGML_TYPE_F32) {
+        if (w && w->type != GGML_TYPE_F32 && e->matmul_mode != RG_MATMUL_F32) {
             /* a frozen base weight: dequantize, transpose to F16 (transient, freed after use);
              * F16 halves the copy and doubles the matmul speed against F32 (DESIGN.md) */
             struct ggml_tensor * f16 = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, w->ne[1], w->ne[0]);
@@ -214,7 +217,7 @@ static struct ggml_cgraph * rewrite(rg_engine * e, rg_graph_build * b, struct gg
             x = ggml_cpy(ctx, ggml_transpose(ctx, src), f16);
             ggml_format_name(x, "%s (transposed, f16)", w->name);
         } else if (w) {
-            x = ggml_cont(ctx, ggml_transpose(ctx, w));
+            x = ggml_cont(ctx, ggml_transpose(ctx, w->type == GGML_TYPE_F32 ? w : ggml_cast(ctx, w, GGML_TYPE_F32)));
         } else {
             x = ggml_cont(ctx, ggml_transpose(ctx, a));
         }

@@ -43,7 +43,9 @@ static struct ggml_tensor * linear(rg_graph_build * b, int il, int t, struct ggm
     struct ggml_context * ctx = b->ctx;
     struct ggml_tensor * w = b->model->layers[il].w[t];
     struct ggml_tensor * y;
-    if (rg_use_f16_matmul(w->type, b->matmul_mode)) {
+    if (b->matmul_mode == RG_MATMUL_F32 && w->type != GGML_TYPE_F32) {
+        y = ggml_mul_mat(ctx, ggml_cast(ctx, w, GGML_TYPE_F32), x);
+    } else if (rg_use_f16_matmul(w->type, b->matmul_mode)) {
         /* CPU: quantized -> F16 has no direct conversion, so through F32 (transients) */
         y = ggml_mul_mat(ctx, ggml_cast(ctx, ggml_cast(ctx, w, GGML_TYPE_F32), GGML_TYPE_F16), x);
     } else {
@@ -142,7 +144,7 @@ static struct ggml_tensor * ffn(rg_graph_build * b, int il, struct ggml_tensor *
 }
 
 bool rg_use_f16_matmul(enum ggml_type type, int mode) {
-    if (mode == RG_MATMUL_NATIVE || !ggml_is_quantized(type)) return false;
+    if (mode == RG_MATMUL_NATIVE || mode == RG_MATMUL_F32 || !ggml_is_quantized(type)) return false;
     if (mode == RG_MATMUL_F16) return true;
     /* measured on AVX2 (scripts/bench_matmul.py): Q8_0 and Q4_0 have fast native kernels */
     return type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q4_0;

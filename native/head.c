@@ -39,6 +39,7 @@ struct rg_head {
     int32_t             * col_of_target;   /* column in rows[] of each target */
     int                   cap_rows, cap_targets;
     int                   chunk;           /* columns per chunk */
+    bool                  exact;           /* F32 transposed W_out in phase B (finite-difference tests) */
     double                ms;
 };
 
@@ -67,6 +68,8 @@ void rg_head_free(rg_head * h) {
     free(h->col_of_target);
     free(h);
 }
+
+void rg_head_set_exact(rg_head * h, bool exact) { h->exact = exact; }
 
 double rg_head_ms(rg_head * h, bool reset) {
     const double ms = h->ms;
@@ -154,7 +157,10 @@ static struct ggml_tensor * chunk_logits(rg_head * h, struct ggml_context * ctx,
     *idx_out = idx;
     /* a parentless alias, so this graph does not pull in the trunk that produced hidden */
     struct ggml_tensor * hs = ggml_get_rows(ctx, ggml_view_tensor(ctx, hidden), idx);
-    struct ggml_tensor * logits = ggml_mul_mat(ctx, h->model->output, hs);
+    struct ggml_tensor * w = h->model->output;
+    /* exact mode: no rounding of activations anywhere, so the head is smooth too */
+    if (h->exact && w->type != GGML_TYPE_F32) w = ggml_cast(ctx, w, GGML_TYPE_F32);
+    struct ggml_tensor * logits = ggml_mul_mat(ctx, w, hs);
     ggml_set_name(logits, "head_logits");
     return logits;
 }
@@ -259,7 +265,7 @@ rg_status rg_head_forward(rg_head * h, struct ggml_tensor * hidden, const rg_bat
 }
 
 /* W_out^T d for d = [V, n]: one dequantized, transposed vocabulary slice at a time */
-static struct ggml_tensor * head_transpose_product(rg_head * h, struct ggml_context * ctx, struct ggml_tensor * d) {
+static struct ggml_tensor * head_transpose_product(rg_head * h, struct ggml_context * ctx, struct ggml_tensor * d, bool f32) {
     struct ggml_tensor * w = h->model->output;
     const int64_t V = w->ne[1];
     struct ggml_tensor * acc = NULL;
@@ -267,7 +273,7 @@ static struct ggml_tensor * head_transpose_product(rg_head * h, struct ggml_cont
         const int64_t nv = V - v0 < HEAD_VOCAB_SLICE ? V - v0 : HEAD_VOCAB_SLICE;
         struct ggml_tensor * ws = ggml_view_2d(ctx, w, w->ne[0], nv, w->nb[1], (size_t) v0 * w->nb[1]);
         struct ggml_tensor * wt = ggml_cpy(ctx, ggml_transpose(ctx, ggml_cast(ctx, ws, GGML_TYPE_F32)),
-                                           ggml_new_tensor_2d(ctx, GGML_TYPE_F16, nv, w->ne[0]));  /* [nv, n_embd] */
+                                           ggml_new_tensor_2d(ctx, f32 ? GGML_TYPE_F32 : GGML_TYPE_F16, nv, w->ne[0]));
         struct ggml_tensor * ds = ggml_view_2d(ctx, d, nv, d->ne[1], d->nb[1], (size_t) v0 * sizeof(float));
         struct ggml_tensor * part = ggml_mul_mat(ctx, wt, ds);  /* [n_embd, n] */
         acc = acc ? ggml_add(ctx, acc, part) : part;
@@ -327,7 +333,7 @@ rg_status rg_head_backward(rg_head * h, struct ggml_tensor * hidden, struct ggml
             struct ggml_tensor * dflat = ggml_set_rows(ctx, ggml_reshape_2d(ctx, d, 1, (int64_t) V * n), sv, si);
             d = ggml_reshape_2d(ctx, dflat, V, n);
         }
-        struct ggml_tensor * dh = head_transpose_product(h, ctx, d);
+        struct ggml_tensor * dh = head_transpose_product(h, ctx, d, h->exact);
         ridx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
         ggml_set_input(ridx);
         struct ggml_tensor * out = ggml_set_rows(ctx, ggml_view_tensor(ctx, grad_hidden), dh, ridx);

@@ -24,6 +24,8 @@ static __thread char g_error[1024];
 
 const char * rg_last_error(void) { return g_error; }
 
+const void * rg_ggml_init_address(void) { return (const void *) ggml_init; }
+
 rg_status rg_fail(rg_status status, const char * fmt, ...) {
     va_list ap;
     va_start(ap, fmt);

@@ -49,6 +49,9 @@ enum { RG_DEVICE_CPU = 0, RG_DEVICE_GPU = 1, RG_DEVICE_IGPU = 2, RG_DEVICE_ACCEL
 
 /* Thread-local message describing the last failure in this thread. */
 const char * rg_last_error(void);
+/* Address of ggml_init as this library resolved it: lets a test prove the process holds a single
+ * ggml (the one llama-cpp-python loaded). */
+const void * rg_ggml_init_address(void);
 
 /* ---- devices ------------------------------------------------------------------------------ */
 typedef struct {
@@ -157,8 +160,10 @@ void      rg_engine_set_exact_ops(rg_engine * engine, int on);
 /* How base-weight matmuls are computed: RG_MATMUL_AUTO (default) dequantizes to F16 on the fly
  * for the types whose native CPU kernels are slower than that at training batch sizes (Q4_1,
  * Q5_x, K-quants) and keeps the native kernel otherwise; RG_MATMUL_NATIVE always uses ggml's
- * quantized kernel (bit-equal to llama.cpp); RG_MATMUL_F16 always dequantizes. */
-enum { RG_MATMUL_AUTO = 0, RG_MATMUL_NATIVE = 1, RG_MATMUL_F16 = 2 };
+ * quantized kernel (bit-equal to llama.cpp); RG_MATMUL_F16 always dequantizes to F16;
+ * RG_MATMUL_F32 dequantizes to F32 forward and backward: slow, but no activation is rounded, so
+ * the forward is a smooth function (finite-difference tests on real models). */
+enum { RG_MATMUL_AUTO = 0, RG_MATMUL_NATIVE = 1, RG_MATMUL_F16 = 2, RG_MATMUL_F32 = 3 };
 void      rg_engine_set_matmul_mode(rg_engine * engine, int mode);
 /* Upper bound in bytes for the softmax store of the LM head (beyond it the head recomputes). */
 void      rg_engine_set_head_budget(rg_engine * engine, size_t bytes);

@@ -125,6 +125,7 @@ rg_status rg_head_backward(rg_head * head, struct ggml_tensor * hidden,
                            struct ggml_tensor * grad_hidden, const rg_batch * batch,
                            const float * logp, const float * coeff);
 double    rg_head_ms(rg_head * head, bool reset);
+void      rg_head_set_exact(rg_head * head, bool exact);
 
 /* helpers -------------------------------------------------------------------------------- */
 bool rg_backend_is_host(ggml_backend_t backend);

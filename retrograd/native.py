@@ -382,8 +382,8 @@ class Engine:
         self._ptr = out[0]
 
     def set_matmul_mode(self, mode: str) -> None:
-        """'auto' (default), 'native' (llama.cpp's kernels, bit-equal) or 'f16'."""
-        modes = {"auto": 0, "native": 1, "f16": 2}
+        """'auto' (default), 'native' (llama.cpp's kernels, bit-equal), 'f16', or 'f32' (smooth, slow)."""
+        modes = {"auto": 0, "native": 1, "f16": 2, "f32": 3}
         if mode not in modes:
             raise ValueError(f"matmul mode must be one of {sorted(modes)}, got {mode!r}")
         lib.rg_engine_set_matmul_mode(self._ptr, modes[mode])

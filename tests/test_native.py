@@ -1,0 +1,253 @@
+"""The native engine: one ggml in the process, forward parity, gradients, adapters, memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import THREADS
+from llama_ref import llama, next_token_logprobs
+from reference import RefModel
+
+from retrograd import native
+from retrograd.engine import LoraSpec, Trainable
+
+TEXT = ("The history of mathematics deals with the origin of discoveries in mathematics and the mathematical "
+        "methods and notation of the past. Before the modern age and the worldwide spread of knowledge, written "
+        "examples of new mathematical developments have come to light only in a few locales. From 3000 BC the "
+        "Mesopotamian states of Sumer, Akkad and Assyria, followed closely by Ancient Egypt and the Levantine "
+        "state of Ebla began using arithmetic, algebra and geometry for purposes of taxation, commerce and trade. ")
+
+
+def test_one_ggml_in_process():
+    import llama_cpp  # noqa: F401 - loads libllama and its ggml
+
+    from retrograd import _native  # noqa: F401
+
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    libs = {line.split()[-1] for line in maps if "libggml-base" in line}
+    assert len(libs) == 1, f"more than one libggml-base mapped: {libs}"
+    # the symbol our library calls is the one llama_cpp's library exports
+    import ctypes
+
+    mapped = libs.pop()
+    assert "llama_cpp" in mapped, f"ggml is not llama-cpp-python's: {mapped}"
+    theirs = ctypes.CDLL(mapped, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    ours = int(native.ffi.cast("uintptr_t", native.lib.rg_ggml_init_address()))
+    assert ours == ctypes.cast(theirs.ggml_init, ctypes.c_void_p).value
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_forward_matches_float64_reference(tiny, arch):
+    path = tiny(arch, n_layer=6 if arch == "gemma3" else 2)
+    ref = RefModel.load(str(path))
+    m = native.Model(path, "cpu", THREADS)
+    e = native.Engine(m)
+    e.set_exact_ops(True)
+    toks = np.random.default_rng(1).integers(0, 256, 14).astype(np.int32)   # > n_swa: the window matters
+    ours = e.forward(None, native.Batch.next_token(toks)).logp
+    np.testing.assert_allclose(ours, ref.logprobs(toks), atol=1e-4)
+
+
+def test_packed_sequences_do_not_see_each_other(tiny):
+    m = native.Model(tiny("llama"), "cpu", THREADS)
+    e = native.Engine(m)
+    rng = np.random.default_rng(2)
+    a, b = rng.integers(0, 256, 9).astype(np.int32), rng.integers(0, 256, 7).astype(np.int32)
+    la = e.forward(None, native.Batch.next_token(a)).logp
+    lb = e.forward(None, native.Batch.next_token(b)).logp
+    both = e.forward(None, native.Batch.next_token(np.concatenate([a, b]), np.array([0] * 9 + [1] * 7))).logp
+    np.testing.assert_allclose(both, np.concatenate([la, lb]), atol=2e-5)
+
+
+@pytest.mark.parametrize("model", ["smollm", "gemma"])
+def test_forward_parity_with_llama_cpp(request, model, tmp_path):
+    path = request.getfixturevalue(model)
+    tr = Trainable(path, LoraSpec(8, 16.0), threads=THREADS)
+    tr.engine.set_matmul_mode("native")
+    rng = np.random.default_rng(0)
+    for t in tr.lora.tensors:       # a non-zero adapter, loaded into both
+        if t.name.endswith("lora_b"):
+            tr.lora.write(t.index, rng.standard_normal(t.shape).astype(np.float32) * 0.02)
+    adapter = tmp_path / "a.gguf"
+    tr.save_adapter(adapter)
+    for lora_path in (None, adapter):
+        llm = llama(path, lora_path)
+        toks = llm.tokenize(TEXT.encode(), add_bos=True)
+        toks = (toks * 3)[:300]
+        ref = next_token_logprobs(llm, toks)
+        ours = tr.logprobs(native.Batch.next_token(np.array(toks, np.int32)), adapter=lora_path is not None).logp
+        diff = np.abs(ours - ref)
+        assert len(toks) >= 256
+        assert diff.mean() < 0.01, f"{path.name} adapter={lora_path is not None}: mean |diff| {diff.mean()}"
+        del llm
+    base = tr.logprobs(native.Batch.next_token(np.array(toks, np.int32)), adapter=False).logp
+    assert np.abs(ours - base).mean() > 0.01, "the adapter should change the log-probs"
+
+
+def test_adapter_roundtrip_bit_exact(tiny, tmp_path):
+    path = tiny("qwen2")
+    a = Trainable(path, LoraSpec(4, 8.0), threads=THREADS, seed=3)
+    rng = np.random.default_rng(1)
+    for t in a.lora.tensors:
+        a.lora.write(t.index, rng.standard_normal(t.shape).astype(np.float32))
+    a.save_adapter(tmp_path / "x.gguf")
+    b = Trainable(path, LoraSpec(4, 8.0), threads=THREADS, seed=4)
+    b.load_adapter(tmp_path / "x.gguf")
+    for t in a.lora.tensors:
+        assert np.array_equal(a.lora.read(t.index), b.lora.read(t.index)), t.name
+    import gguf
+    r = gguf.GGUFReader(str(tmp_path / "x.gguf"))
+    assert r.fields["general.type"].contents() == "adapter"
+    assert r.fields["adapter.type"].contents() == "lora"
+    assert r.fields["adapter.lora.alpha"].contents() == 8.0
+
+
+def test_fresh_adapter_leaves_model_unchanged(tiny):
+    tr = Trainable(tiny("llama"), LoraSpec(4, 8.0), threads=THREADS)
+    toks = np.random.default_rng(5).integers(0, 256, 16).astype(np.int32)
+    b = native.Batch.next_token(toks)
+    np.testing.assert_array_equal(tr.logprobs(b).logp, tr.logprobs(b, adapter=False).logp)
+
+
+# ---- gradients -----------------------------------------------------------------------------------
+def fd_check(tr: Trainable, batch: native.Batch, coeff: np.ndarray, tensors, n_entries=5, h=1e-2, seed=0):
+    """Worst relative error between analytic and (Richardson-extrapolated) central differences."""
+    def loss():
+        return float(np.dot(coeff.astype(np.float64), tr.logprobs(batch).logp.astype(np.float64)))
+
+    tr.lora.zero(native.SLOT_GRAD)
+    tr.accumulate(batch, lambda inp: native.LossOutputs(coeff))
+    rng = np.random.default_rng(seed)
+    worst = 0.0
+    for t in tensors:
+        g = tr.lora.read(t.index, native.SLOT_GRAD).ravel()
+        w = tr.lora.read(t.index)
+        idx = np.argsort(-np.abs(g))[:2].tolist() + rng.choice(g.size, n_entries, replace=False).tolist()
+        fd = []
+        for i in idx:
+            def d(step):
+                x = w.copy().ravel()
+                x[i] += step
+                tr.lora.write(t.index, x.reshape(w.shape))
+                up = loss()
+                x[i] -= 2 * step
+                tr.lora.write(t.index, x.reshape(w.shape))
+                down = loss()
+                tr.lora.write(t.index, w)
+                return (up - down) / (2 * step)
+            fd.append((4 * d(h / 2) - d(h)) / 3)
+        fd, an = np.array(fd), g[idx]
+        rel = np.linalg.norm(fd - an) / max(np.linalg.norm(fd), 1e-6)
+        worst = max(worst, rel)
+    return worst
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_lora_gradients_match_finite_differences(tiny, arch):
+    path = tiny(arch, n_layer=2, n_embd=32, n_head=4, n_head_kv=2, n_ff=48, n_vocab=270)
+    tr = Trainable(path, LoraSpec(4, 8.0), threads=THREADS)
+    tr.engine.set_exact_ops(True)
+    rng = np.random.default_rng(0)
+    for t in tr.lora.tensors:
+        tr.lora.write(t.index, rng.standard_normal(t.shape).astype(np.float32) * 0.3)
+    toks = rng.integers(0, 256, 20).astype(np.int32)
+    batch = native.Batch.next_token(toks, np.array([0] * 12 + [1] * 8, np.int32))
+    coeff = rng.standard_normal(batch.n_targets).astype(np.float32)
+    worst = fd_check(tr, batch, coeff, tr.lora.tensors)
+    assert worst < 1e-2, f"{arch}: worst relative gradient error {worst}"
+
+
+def test_loss_head_with_several_targets_per_row(tiny):
+    """The head's sparse part: several (and repeated) token ids per row, as distillation uses."""
+    tr = Trainable(tiny("llama", n_embd=32, n_ff=48), LoraSpec(4, 8.0), threads=THREADS)
+    rng = np.random.default_rng(1)
+    for t in tr.lora.tensors:
+        tr.lora.write(t.index, rng.standard_normal(t.shape).astype(np.float32) * 0.3)
+    toks = rng.integers(0, 256, 10).astype(np.int32)
+    rows = np.repeat(np.arange(9), 4).astype(np.int32)
+    ids = rng.integers(0, 260, len(rows)).astype(np.int32)
+    ids[1] = ids[0]                                        # a repeated (row, id) pair
+    batch = native.Batch(toks, np.arange(10), np.zeros(10), rows, ids)
+    coeff = rng.standard_normal(len(rows)).astype(np.float32)
+    worst = fd_check(tr, batch, coeff, [t for t in tr.lora.tensors if "blk.1" in t.name])
+    assert worst < 1e-2
+
+
+def test_gradients_on_one_layer_of_the_real_model(smollm):
+    tr = Trainable(smollm, LoraSpec(4, 8.0, ("q", "v", "down")), threads=THREADS)
+    tr.engine.set_matmul_mode("f32")       # no rounded activations: the forward is smooth
+    rng = np.random.default_rng(0)
+    for t in tr.lora.tensors:
+        if t.name.startswith("blk.0."):
+            tr.lora.write(t.index, rng.standard_normal(t.shape).astype(np.float32) * 0.05)
+    toks = np.array([1, 504, 3458, 314, 1345, 30, 282, 216, 4017, 28, 330, 2012], np.int32)
+    batch = native.Batch.next_token(toks)
+    coeff = -np.ones(batch.n_targets, np.float32)
+    worst = fd_check(tr, batch, coeff, [t for t in tr.lora.tensors if t.name.startswith("blk.0.")], n_entries=3, h=4e-2)
+    assert worst < 1e-2
+
+
+def test_adamw_step_and_clipping(tiny):
+    tr = Trainable(tiny("llama"), LoraSpec(4, 8.0), threads=THREADS)
+    toks = np.random.default_rng(0).integers(0, 256, 16).astype(np.int32)
+    batch = native.Batch.next_token(toks)
+    before = tr.lora.state()
+    tr.accumulate(batch, lambda inp: native.LossOutputs(-np.ones(len(inp.logp), np.float32)))
+    g = {t.name: tr.lora.read(t.index, native.SLOT_GRAD) for t in tr.lora.tensors}
+    norm = np.sqrt(sum(float((x.astype(np.float64) ** 2).sum()) for x in g.values()))
+    reported = tr.optimizer_step(lr=1e-2, step=1, grad_clip=norm / 2)
+    assert abs(reported - norm) / norm < 1e-4
+    after = tr.lora.state()
+    # first AdamW step moves each parameter by lr * sign(grad) (bias-corrected m/sqrt(v) = +-1)
+    for name, x in g.items():
+        moved = after[name] - before[name]
+        nz = np.abs(x) > 1e-6
+        np.testing.assert_allclose(moved[nz], -1e-2 * np.sign(x[nz]), rtol=1e-3, atol=1e-6)
+    assert all(not tr.lora.read(t.index, native.SLOT_GRAD).any() for t in tr.lora.tensors)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    import gguf
+    w = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(native.NativeError, match="architecture 'gpt2' is not supported; supported: llama"):
+        native.Model(tmp_path / "gpt2.gguf", "cpu", 1)
+
+
+def test_gpu_device_fails_clearly_without_one():
+    if any(d.kind in ("gpu", "igpu") for d in native.devices()):
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(native.NativeError, match="no GPU device"):
+        native.select_device("gpu")
+
+
+def test_training_step_memory(smollm, tmp_path):
+    """One step on 4 x 256 tokens keeps the peak RSS under 1.5 GB (measured in a fresh process)."""
+    script = f"""
+import resource, json, numpy as np
+from retrograd.engine import Trainable, LoraSpec
+from retrograd import native
+tr = Trainable({str(smollm)!r}, LoraSpec(16, 32.0), threads={THREADS})
+rng = np.random.default_rng(0)
+for s in range(4):
+    toks = rng.integers(0, 49152, 256).astype(np.int32)
+    tr.accumulate(native.Batch.next_token(toks), lambda inp: native.LossOutputs(-np.ones(len(inp.logp), np.float32) / 1020))
+tr.optimizer_step(lr=1e-4, step=1)
+print(json.dumps({{"rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "RETRO_THREADS": str(THREADS)})
+    assert out.returncode == 0, out.stderr
+    rss = json.loads(out.stdout.strip().splitlines()[-1])["rss_mb"]
+    assert rss < 1500, f"peak RSS {rss:.0f} MiB"
