@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -114,7 +113,7 @@ def prune(directory: Path, keep: int) -> None:
             gguf.unlink()
 
 
-def latest(directory: Path) -> Optional[Path]:
+def latest(directory: Path) -> Path | None:
     directory = Path(directory)
     pointer = directory / "latest"
     if pointer.exists():

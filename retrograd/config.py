@@ -13,7 +13,7 @@ import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,9 +39,9 @@ def opt(default: Any = None, help: str = "", *, choices: tuple = (), min: float 
 
 @dataclass
 class ModelSection:
-    path: Optional[Path] = opt(None, "GGUF model; omitted means the embedded default model", path=True)
+    path: Path | None = opt(None, "GGUF model; omitted means the embedded default model", path=True)
     ctx: int = opt(2048, "context length for generation and the longest training sequence", min=16)
-    chat_template: Optional[str] = opt(None, "Jinja chat template overriding the model's own")
+    chat_template: str | None = opt(None, "Jinja chat template overriding the model's own")
     threads: int = opt(0, "CPU threads for generation (0: all cores)", min=0)
     device: str = opt("auto", "auto, cpu or gpu", choices=("auto", "cpu", "gpu"))
 
@@ -52,20 +52,20 @@ class LoraSection:
     alpha: float = opt(32.0, "LoRA alpha; the update is scaled by alpha / rank", min=0.0)
     dropout: float = opt(0.0, "LoRA dropout (only 0.0 is supported in this version)", min=0.0, max=0.0)
     targets: list = opt(list(TARGETS), "projections that get an adapter: q k v o gate up down")
-    init_adapter: Optional[Path] = opt(None, "start from this llama.cpp LoRA GGUF", path=True)
+    init_adapter: Path | None = opt(None, "start from this llama.cpp LoRA GGUF", path=True)
 
 
 @dataclass
 class RunSection:
     algorithm: str = opt("sft", "training algorithm", choices=ALGORITHMS)
     name: str = opt("", "run name (default: the config file's name)")
-    output: Optional[Path] = opt(None, "run directory (default: runs/<name> beside the config)", path=True)
+    output: Path | None = opt(None, "run directory (default: runs/<name> beside the config)", path=True)
     seed: int = opt(0, "seed for initialisation, data order and sampling", min=0)
 
 
 @dataclass
 class DataSection:
-    train: Optional[Path] = opt(None, "training data, JSONL", path=True)
+    train: Path | None = opt(None, "training data, JSONL", path=True)
     format: str = opt("auto", "record format", choices=("auto", "text", "chat", "prompt_completion", "tools"))
     max_length: int = opt(1024, "longer examples are truncated to this many tokens", min=8)
     packing: bool = opt(True, "pack several short examples into one micro-batch")
@@ -97,7 +97,7 @@ class TrainingSection:
 
 @dataclass
 class CheckpointSection:
-    directory: Optional[Path] = opt(None, "where step-N.state directories go (default: <output>/checkpoints)",
+    directory: Path | None = opt(None, "where step-N.state directories go (default: <output>/checkpoints)",
                                     path=True)
     every_steps: int = opt(50, "save every N optimizer steps (0: only at the end)", min=0)
     keep: int = opt(3, "keep the last K checkpoints (best.state is kept apart)", min=1)
@@ -106,7 +106,7 @@ class CheckpointSection:
 
 @dataclass
 class EvaluationSection:
-    data: Optional[Path] = opt(None, "evaluation data (default: the held-out split)", path=True)
+    data: Path | None = opt(None, "evaluation data (default: the held-out split)", path=True)
     every_steps: int = opt(0, "evaluate every N steps (0: only at the end)", min=0)
     limit: int = opt(0, "evaluate on at most N examples (0: all)", min=0)
 
@@ -120,7 +120,7 @@ class Config:
     training: TrainingSection = field(default_factory=TrainingSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
-    source: Optional[Path] = None      # the TOML file, when there is one
+    source: Path | None = None      # the TOML file, when there is one
 
     def to_dict(self) -> dict:
         out = {}
@@ -182,7 +182,7 @@ def _coerce(value: Any, tp: Any, where: str, meta: dict, base: Path) -> Any:
     return value
 
 
-def from_dict(raw: dict, source: Optional[Path] = None) -> Config:
+def from_dict(raw: dict, source: Path | None = None) -> Config:
     label = str(source) if source else "<config>"
     base = source.parent if source else Path.cwd()
     cfg = Config(source=source)

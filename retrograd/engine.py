@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -27,7 +26,7 @@ class Trainable:
     """A model with a LoRA adapter, ready for forward passes and gradient accumulation."""
 
     def __init__(self, model_path: str | os.PathLike, spec: LoraSpec, *, device: str = "auto",
-                 threads: Optional[int] = None, seed: int = 0) -> None:
+                 threads: int | None = None, seed: int = 0) -> None:
         self.model_path = Path(model_path)
         self.model = native.Model(self.model_path, device=device, threads=threads)
         self.engine = native.Engine(self.model)

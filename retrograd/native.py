@@ -7,8 +7,8 @@ training calls, AdamW, preflight. Errors from C arrive as NativeError carrying t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from typing import Callable, Iterable, Optional
 
 import numpy as np
 
@@ -133,7 +133,7 @@ class ModelInfo:
 class Model:
     """A GGUF model loaded for training, weights in their stored types."""
 
-    def __init__(self, path: str | os.PathLike, device: str = "auto", threads: Optional[int] = None) -> None:
+    def __init__(self, path: str | os.PathLike, device: str = "auto", threads: int | None = None) -> None:
         self.path = os.fspath(path)
         self.device = select_device(device)
         out = ffi.new("rg_model **")
@@ -173,7 +173,10 @@ class Model:
             self._ptr = None
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except (AttributeError, TypeError):   # interpreter shutdown: the library is already gone
+            pass
 
 
 # ---- LoRA ---------------------------------------------------------------------------------
@@ -249,7 +252,10 @@ class Lora:
             self._ptr = None
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except (AttributeError, TypeError):   # interpreter shutdown: the library is already gone
+            pass
 
 
 # ---- batches ------------------------------------------------------------------------------
@@ -281,8 +287,8 @@ class Batch:
         return len(self.target_rows)
 
     @classmethod
-    def next_token(cls, tokens: np.ndarray, seq_ids: Optional[np.ndarray] = None,
-                   weights_mask: Optional[np.ndarray] = None) -> "Batch":
+    def next_token(cls, tokens: np.ndarray, seq_ids: np.ndarray | None = None,
+                   weights_mask: np.ndarray | None = None) -> Batch:
         """Targets every next token within each sequence (optionally only where mask is set)."""
         tokens = np.asarray(tokens, dtype=np.int32)
         seq = np.zeros(len(tokens), np.int32) if seq_ids is None else np.asarray(seq_ids, np.int32)
@@ -313,14 +319,14 @@ class LossInputs:
     """What the coefficient callback receives (views valid only during the call)."""
 
     logp: np.ndarray
-    entropy: Optional[np.ndarray]
-    hidden: Optional[np.ndarray]       # [n_tokens, n_embd]
+    entropy: np.ndarray | None
+    hidden: np.ndarray | None       # [n_tokens, n_embd]
 
 
 @dataclass
 class LossOutputs:
     coeff: np.ndarray                  # d(loss)/d(logp) per target
-    hidden_grad: Optional[np.ndarray] = None  # d(loss)/d(hidden), [n_tokens, n_embd]
+    hidden_grad: np.ndarray | None = None  # d(loss)/d(hidden), [n_tokens, n_embd]
 
 
 CoeffFn = Callable[[LossInputs], LossOutputs]
@@ -329,7 +335,7 @@ CoeffFn = Callable[[LossInputs], LossOutputs]
 class _CallbackState:
     def __init__(self, fn: CoeffFn) -> None:
         self.fn = fn
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
 
 
 @ffi.def_extern()
@@ -395,7 +401,7 @@ class Engine:
     def set_head_budget(self, nbytes: int) -> None:
         lib.rg_engine_set_head_budget(self._ptr, nbytes)
 
-    def forward(self, lora: Optional[Lora], batch: Batch, entropy: bool = False,
+    def forward(self, lora: Lora | None, batch: Batch, entropy: bool = False,
                 hidden: bool = False) -> LossInputs:
         k = batch.n_targets
         logp = np.zeros(k, np.float32)
@@ -432,7 +438,7 @@ class Engine:
         _check(lib.rg_engine_adamw(self._ptr, lora._ptr, p, norm))
         return float(norm[0])
 
-    def preflight(self, lora: Optional[Lora], n_tokens: int) -> dict[str, int]:
+    def preflight(self, lora: Lora | None, n_tokens: int) -> dict[str, int]:
         buf = ffi.new("char[8192]")
         n = ffi.new("int *")
         _check(lib.rg_engine_preflight(self._ptr, lora._ptr if lora is not None else ffi.NULL,
@@ -468,4 +474,7 @@ class Engine:
             self._ptr = None
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except (AttributeError, TypeError):   # interpreter shutdown: the library is already gone
+            pass

@@ -7,8 +7,9 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional, TextIO
+from typing import TextIO
 
 
 def fmt_duration(seconds: float) -> str:
@@ -23,7 +24,7 @@ def fmt_duration(seconds: float) -> str:
 class Progress:
     """step/total, the given metrics, tokens/s and ETA on one line."""
 
-    def __init__(self, total: int, start: int = 0, stream: Optional[TextIO] = None, every: int = 1) -> None:
+    def __init__(self, total: int, start: int = 0, stream: TextIO | None = None, every: int = 1) -> None:
         self.total = total
         self.start_step = start
         self.stream = stream or sys.stderr
@@ -86,7 +87,7 @@ class MetricsLog:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
 
-def plot(records: Iterable[dict], keys: list[str], path: Path, title: str = "") -> Optional[Path]:
+def plot(records: Iterable[dict], keys: list[str], path: Path, title: str = "") -> Path | None:
     """One panel per key that has values, against the step."""
     records = list(records)
     series = {k: [(r["step"], r[k]) for r in records if k in r and r[k] is not None] for k in keys}

@@ -10,7 +10,6 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -126,7 +125,8 @@ def preflight_check(ctx: RunContext, progress_note) -> None:
         return
     listing = ", ".join(f"{op} x{n}" for op, n in unsupported.items())
     strict = cfg.training.require_gpu_resident or os.environ.get("RETRO_REQUIRE_GPU_RESIDENT") == "1"
-    msg = f"{ctx.trainable.info.device_name} cannot run these ops of the training graph (they fall back to the CPU): {listing}"
+    msg = (f"{ctx.trainable.info.device_name} cannot run these ops of the training graph "
+           f"(they fall back to the CPU): {listing}")
     if strict:
         raise TrainError(msg + " (require_gpu_resident is set)")
     progress_note("warning: " + msg)
@@ -140,7 +140,7 @@ class Trainer:
         self.ckpt_dir = Path(self.cfg.checkpoint.directory or ctx.out / "checkpoints")
         self.metrics = MetricsLog(ctx.out / "metrics.jsonl")
         self.step = 0
-        self.best: Optional[float] = None
+        self.best: float | None = None
         self.nonfinite = 0
 
     # ---- state -------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class Trainer:
             sums: dict[str, float] = {}
             ok = True
             for mb in work.micro:
-                def fn(inp, mb=mb):
+                def fn(inp, mb=mb, sums=sums):
                     out, m = mb.loss(inp)
                     for k, v in m.items():
                         sums[k] = sums.get(k, 0.0) + v
@@ -236,7 +236,7 @@ class Trainer:
         return path
 
 
-def train(ctx: RunContext, resume: Optional[Path | bool] = None) -> dict:
+def train(ctx: RunContext, resume: Path | bool | None = None) -> dict:
     """Run the configured algorithm to completion; returns a summary."""
     cfg = ctx.cfg
     ctx.out.mkdir(parents=True, exist_ok=True)

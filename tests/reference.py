@@ -27,7 +27,7 @@ class RefModel:
     w: dict
 
     @classmethod
-    def load(cls, path: str) -> "RefModel":
+    def load(cls, path: str) -> RefModel:
         r = gguf.GGUFReader(path)
         arch = _field(r, "general.architecture")
         p = arch + "."
@@ -45,7 +45,8 @@ class RefModel:
         w = {}
         for t in r.tensors:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
-            w[t.name] = np.asarray(arr, dtype=np.float64).reshape([int(x) for x in reversed(t.shape)] if arr.ndim == 1 and len(t.shape) > 1 else arr.shape)
+            shape = [int(x) for x in reversed(t.shape)] if arr.ndim == 1 and len(t.shape) > 1 else arr.shape
+            w[t.name] = np.asarray(arr, dtype=np.float64).reshape(shape)
         return cls(arch, hp, w)
 
     def set_lora(self, lora: dict[str, np.ndarray], scale: float) -> None:

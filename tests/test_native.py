@@ -131,7 +131,7 @@ def fd_check(tr: Trainable, batch: native.Batch, coeff: np.ndarray, tensors, n_e
         idx = np.argsort(-np.abs(g))[:2].tolist() + rng.choice(g.size, n_entries, replace=False).tolist()
         fd = []
         for i in idx:
-            def d(step):
+            def d(step, t=t, w=w, i=i):
                 x = w.copy().ravel()
                 x[i] += step
                 tr.lora.write(t.index, x.reshape(w.shape))

@@ -3,8 +3,9 @@ per-token loss coefficients; trainer.py owns the one loop that runs them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 from retrograd.native import Batch, LossInputs, LossOutputs
 

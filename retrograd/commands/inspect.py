@@ -32,7 +32,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     path = _model_path(args)
     m = native.Model(path, device=args.device or "auto", threads=1)
     i = m.info
-    types = collections.Counter(t for _, t, _ in m.tensors())
+    types = collections.Counter(t.upper() for _, t, _ in m.tensors())
     print(f"model        {path}")
     print(f"architecture {i.arch}")
     print(f"parameters   {i.n_params / 1e6:.1f} M in {i.weight_bytes / 2**20:.1f} MiB "

@@ -4,8 +4,8 @@ greedy packing under a token budget, and the (row, next token) targets of the tr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import numpy as np
 
@@ -43,7 +43,7 @@ class Cursor:
 class ExampleStream:
     """Endless, resumable stream of examples over epochs."""
 
-    def __init__(self, examples: Sequence[Example], seed: int, shuffle: bool, cursor: Optional[Cursor] = None):
+    def __init__(self, examples: Sequence[Example], seed: int, shuffle: bool, cursor: Cursor | None = None):
         self.examples = examples
         self.seed = seed
         self.shuffle = shuffle

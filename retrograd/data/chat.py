@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Optional
+from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -38,7 +38,7 @@ def _raise(msg: str) -> None:
     raise TemplateError(msg)
 
 
-def _tojson(value: Any, indent: Optional[int] = None, ensure_ascii: bool = False) -> str:
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
 
 
@@ -63,7 +63,7 @@ class ChatFormat:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from None
         self.native_tools = "tool_calls" in self.source or "tools" in self.source
 
-    def render(self, messages: list[dict], *, tools: Optional[list[dict]] = None,
+    def render(self, messages: list[dict], *, tools: list[dict] | None = None,
                add_generation_prompt: bool = False) -> str:
         msgs, tools_arg = prepare_messages(messages, tools, self.native_tools)
         try:
@@ -72,7 +72,7 @@ class ChatFormat:
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template failed to render: {exc}") from None
 
-    def segments(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[tuple[str, bool]]:
+    def segments(self, messages: list[dict], tools: list[dict] | None = None) -> list[tuple[str, bool]]:
         """The rendered conversation as (text, trainable) spans; assistant turns are trainable."""
         out: list[tuple[str, bool]] = []
         done = ""
@@ -95,7 +95,7 @@ class ChatFormat:
         return out
 
 
-def format_for(tokenizer, override: Optional[str] = None) -> ChatFormat:
+def format_for(tokenizer, override: str | None = None) -> ChatFormat:
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id >= 0 else ""
     eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id >= 0 else ""
     if override:
@@ -130,7 +130,7 @@ def call_text(call: dict) -> str:
     return "<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False) + "</tool_call>"
 
 
-def prepare_messages(messages: list[dict], tools: Optional[list[dict]], native: bool):
+def prepare_messages(messages: list[dict], tools: list[dict] | None, native: bool):
     """Messages and tools as the template gets them; without native tool support, tools go into
     the system prompt, calls into assistant text and results into user turns."""
     if native:

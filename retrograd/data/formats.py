@@ -11,9 +11,9 @@ Formats:
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
 
 import numpy as np
 
@@ -33,7 +33,7 @@ class Example:
     trained: np.ndarray         # bool [n]: token i is a label (predicted from position i-1)
     line: int = 0
     truncated: bool = False
-    record: Optional[dict] = None
+    record: dict | None = None
 
     @property
     def n_trained(self) -> int:
@@ -61,7 +61,7 @@ class LoadReport:
         return ", ".join(parts)
 
 
-def detect(record: dict) -> Optional[str]:
+def detect(record: dict) -> str | None:
     if "messages" in record:
         if record.get("tools") or any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
                                       for m in record.get("messages") or []):
@@ -110,7 +110,7 @@ def validate(record: dict, fmt: str) -> None:
 
 
 def read_jsonl(path: Path, fmt: str = "auto", *, skip_bad: bool = False,
-               report: Optional[LoadReport] = None) -> Iterator[tuple[int, dict, str]]:
+               report: LoadReport | None = None) -> Iterator[tuple[int, dict, str]]:
     """Yield (line number, record, format) for every valid record."""
     path = Path(path)
     report = report or LoadReport(path)

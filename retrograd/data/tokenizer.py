@@ -9,7 +9,6 @@ import os
 import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
 
 import llama_cpp.llama_cpp as lc
 
@@ -59,7 +58,7 @@ class Tokenizer:
         self.chat_template = self.meta("tokenizer.chat_template")
         self.arch = self.meta("general.architecture") or ""
 
-    def meta(self, key: str) -> Optional[str]:
+    def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)
         n = lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
         if n < 0:
@@ -100,7 +99,10 @@ class Tokenizer:
             self._model = None
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except (AttributeError, TypeError):   # interpreter shutdown: the library is already gone
+            pass
 
 
 @lru_cache(maxsize=4)

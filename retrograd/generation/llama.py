@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
 
 import llama_cpp.llama_cpp as lc
 import numpy as np
@@ -74,7 +74,7 @@ class Generator:
     """A llama.cpp model and context for generation, with an adapter slot."""
 
     def __init__(self, model_path: str | os.PathLike, *, n_ctx: int = 2048, n_seq: int = 1,
-                 threads: Optional[int] = None, device: str = "auto") -> None:
+                 threads: int | None = None, device: str = "auto") -> None:
         quiet_llama_logs()
         self.path = Path(model_path)
         self.tokenizer = Tokenizer(self.path)
@@ -101,7 +101,7 @@ class Generator:
         self._cache: list[int] = []    # tokens in sequence 0's KV cache, for prefix reuse
 
     # ---- adapters ------------------------------------------------------------------------------
-    def set_adapter(self, data: Optional[bytes], scale: float = 1.0) -> None:
+    def set_adapter(self, data: bytes | None, scale: float = 1.0) -> None:
         """Swap in an adapter from GGUF bytes (None switches it off)."""
         old = self._adapter
         if data is None:
@@ -235,4 +235,7 @@ class Generator:
             self._model = None
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except (AttributeError, TypeError):   # interpreter shutdown: the library is already gone
+            pass

@@ -1,0 +1,109 @@
+"""The command line on the real default model: --help, inspect, preflight, bench, chat."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import THREADS
+
+from retrograd.cli import NOT_BUILT
+
+SPEC_COMMANDS = ["train", "bench", "chat", "serve", "inspect", "preflight", "distill-teacher", "tools", "scenarios",
+                 "judge", "collect"]
+
+
+def cli(*args: str, stdin: str | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RETRO_THREADS": str(THREADS)}
+    return subprocess.run([sys.executable, "-m", "retrograd.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_help_lists_every_command_of_the_specification():
+    out = cli("--help")
+    assert out.returncode == 0
+    for c in SPEC_COMMANDS:
+        assert c in out.stdout, c
+    for c in NOT_BUILT:
+        r = cli(c, "x.toml")
+        assert r.returncode == 2 and "not built yet" in r.stderr
+
+
+def test_inspect(smollm):
+    out = cli("inspect", "--model", str(smollm))
+    assert out.returncode == 0, out.stderr
+    for text in ("architecture llama", "Q4_1 x210", "Q8_0 x1", "LoRA targets q,k,v,o,gate,up,down", "device       CPU",
+                 "30, width 576"):
+        assert text in out.stdout, text
+
+
+def test_inspect_gemma(gemma):
+    out = cli("inspect", "--model", str(gemma))
+    assert out.returncode == 0, out.stderr
+    assert "architecture gemma3" in out.stdout and "sliding window 512 on 15 layers" in out.stdout
+
+
+def test_preflight_and_missing_model(smollm, tmp_path):
+    out = cli("preflight", "--model", str(smollm), "--targets", "q,v", "--strict")
+    assert out.returncode == 0 and "every op of the training graph" in out.stdout
+    out = cli("preflight", "--model", str(tmp_path / "nope.gguf"))
+    assert out.returncode == 1 and "no such model file" in out.stderr and "Traceback" not in out.stderr
+    out = cli("preflight", "--model", str(smollm), "--targets", "q,zz")
+    assert out.returncode == 2 and "--targets" in out.stderr
+    out = cli("inspect", "--model", str(smollm), "--device", "gpu")
+    assert out.returncode == 1 and "no GPU device" in out.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(smollm, tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    recs = [{"messages": [{"role": "user", "content": f"Code {i}?"}, {"role": "assistant", "content": "ZEBRA-7"}]}
+            for i in range(16)]
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (d / "run.toml").write_text(f"""
+[model]
+path = "{smollm}"
+ctx = 256
+[run]
+name = "c"
+[data]
+train = "train.jsonl"
+eval_split = 0.25
+[training]
+max_steps = 6
+batch_size = 4
+learning_rate = 3e-3
+[checkpoint]
+every_steps = 0
+""")
+    out = cli("train", str(d / "run.toml"))
+    assert out.returncode == 0, out.stderr
+    return d
+
+
+def test_bench_base_and_adapter(trained):
+    adapter = trained / "runs/c/adapter.gguf"
+    out = cli("bench", str(trained / "run.toml"), "--adapter", str(adapter), "--format", "jsonl")
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["examples"] == 4
+    assert rep["results"]["adapter"]["eval_loss"] < rep["results"]["base"]["eval_loss"] * 0.5
+    out = cli("bench", str(trained / "run.toml"), "--format", "text", "--limit", "2")
+    assert out.returncode == 0 and "perplexity" in out.stdout and "adapter" not in out.stdout
+
+
+def test_chat_piped_compare_reset_exit(trained):
+    out = cli("chat", str(trained / "run.toml"), "--compare", "--temp", "0", "--max-new-tokens", "12",
+              stdin="Code 99?\n/reset\nCode 5?\n/exit\nnever read\n")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert sum(line.startswith("[base]") for line in lines) == 2
+    adapter_lines = [line for line in lines if line.startswith("[adapter]")]
+    assert len(adapter_lines) == 2 and all("ZEBRA" in line for line in adapter_lines)
+    assert "(history cleared)" in lines
+    out = cli("chat", str(trained / "run.toml"), "--base-only", "--temp", "0", "--max-new-tokens", "8",
+              stdin="hello\n")
+    assert out.returncode == 0 and out.stdout.strip()

@@ -1,0 +1,147 @@
+"""The training loop: SFT end to end, checkpoints, exact resume after SIGKILL, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import THREADS
+
+from retrograd import checkpoint as ckpt
+from retrograd.config import load
+from retrograd.trainer import learning_rate, open_model, train
+
+
+def make_run(tmp_path: Path, model: Path, *, steps=12, every=4, rank=4, lr=1e-2, records=None, extra="") -> Path:
+    records = records or [{"text": f"the pattern is abc {i % 3} xyz"} for i in range(24)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f"""
+[model]
+path = "{model}"
+ctx = 256
+[lora]
+rank = {rank}
+alpha = {2 * rank}
+[run]
+name = "t"
+seed = 1
+[data]
+train = "train.jsonl"
+eval_split = 0.2
+[training]
+max_steps = {steps}
+batch_size = 4
+micro_batch_tokens = 64
+learning_rate = {lr}
+warmup_steps = 2
+threads = {THREADS}
+[checkpoint]
+every_steps = {every}
+keep = 2
+[evaluation]
+every_steps = {every}
+{extra}
+""")
+    return cfg
+
+
+def losses(run: Path) -> dict[int, float]:
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "loss" in r:
+            out[r["step"]] = r["loss"]
+    return out
+
+
+def test_sft_end_to_end_on_tiny_model(tiny, tmp_path):
+    cfg = load(make_run(tmp_path, tiny("llama")))
+    summary = train(open_model(cfg))
+    run = tmp_path / "runs" / "t"
+    ls = losses(run)
+    assert len(ls) == 12 and ls[12] < ls[1] * 0.7
+    for name in ("adapter.gguf", "loss.png", "config.json", "checkpoints/best.state/state.json",
+                 "checkpoints/latest", "checkpoints/step-12.gguf"):
+        assert (run / name).exists(), name
+    assert not (run / "checkpoints/step-4.state").exists()          # keep = 2
+    assert summary["steps"] == 12 and "eval_loss" in summary
+    evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "eval_loss" in x]
+    assert evals[0]["step"] == 0 and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+
+
+def test_learning_rate_schedule(tmp_path, tiny):
+    cfg = load(make_run(tmp_path, tiny("llama")))
+    lrs = [learning_rate(cfg, s, 12) for s in range(12)]
+    assert lrs[0] == pytest.approx(0.005) and lrs[1] == pytest.approx(0.01)
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:])) and lrs[-1] < 0.001
+
+
+def _run_cli(cfg: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "RETRO_THREADS": str(THREADS)}
+    return subprocess.Popen([sys.executable, "-m", "retrograd.cli", "train", str(cfg), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_sigkill_and_resume_follow_the_same_trajectory(smollm, tmp_path):
+    records = [{"messages": [{"role": "user", "content": f"Say the word number {i}."},
+                             {"role": "assistant", "content": f"Word {i}: {'alpha beta gamma delta'.split()[i % 4]}"}]}
+               for i in range(40)]
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    cfg_a = make_run(a, smollm, steps=6, every=2, rank=4, lr=2e-3, records=records)
+    cfg_b = make_run(b, smollm, steps=6, every=2, rank=4, lr=2e-3, records=records)
+    p = _run_cli(cfg_a)
+    assert p.wait(timeout=900) == 0, p.stderr.read()
+    p = _run_cli(cfg_b)
+    metrics = b / "runs" / "t" / "metrics.jsonl"
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        if metrics.exists() and '"step": 3' in metrics.read_text():
+            break
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert ckpt.latest(b / "runs" / "t" / "checkpoints").name == "step-2.state"
+    p = _run_cli(cfg_b, "--resume")
+    out, err = p.communicate(timeout=900)
+    assert p.returncode == 0, err
+    assert "resumed at step 2" in err
+    la, lb = losses(a / "runs" / "t"), losses(b / "runs" / "t")
+    assert sorted(lb) == list(range(1, 7))
+    for step in la:
+        assert lb[step] == pytest.approx(la[step], rel=1e-6, abs=1e-7), step
+    ga = (a / "runs/t/adapter.gguf").read_bytes()
+    gb = (b / "runs/t/adapter.gguf").read_bytes()
+    assert ga == gb
+
+
+def test_resume_refuses_an_incompatible_checkpoint(tiny, tmp_path):
+    cfg = load(make_run(tmp_path, tiny("llama"), steps=4, every=2))
+    train(open_model(cfg))
+    state = tmp_path / "runs/t/checkpoints/step-4.state"
+    other = load(make_run(tmp_path, tiny("llama"), steps=4, every=2, rank=8))
+    with pytest.raises(ckpt.CheckpointError, match=r"incompatible \[lora\].rank: checkpoint has 4"):
+        train(open_model(other), state)
+    other_model = load(make_run(tmp_path, tiny("qwen2"), steps=4, every=2))
+    with pytest.raises(ckpt.CheckpointError, match="checkpoint is for another model"):
+        train(open_model(other_model), state)
+
+
+def test_checkpoint_writes_are_atomic(tiny, tmp_path):
+    cfg = load(make_run(tmp_path, tiny("llama"), steps=4, every=2))
+    train(open_model(cfg))
+    d = tmp_path / "runs/t/checkpoints"
+    assert not list(d.glob(".*tmp*")) and not list(d.glob("*.tmp"))
+    state = json.loads((d / "step-4.state/state.json").read_text())
+    assert state["step"] == 4 and state["trainer"]["recipe"]["cursor"]["index"] >= 0
+    opt = np.load(d / "step-4.state/optimizer.npz")
+    assert any(k.startswith("m:") for k in opt.files)
