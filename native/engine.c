@@ -172,7 +172,7 @@ static bool is_base_weight(const rg_model * m, const struct ggml_tensor * t) {
 /* the base weight a tensor was converted from (through casts), or NULL */
 static struct ggml_tensor * base_weight_of(const rg_model * m, struct ggml_tensor * t) {
     while (t && !is_base_weight(m, t)) {
-        if (t->op != GGML_OP_CPY && t->op != GGML_OP_DUP && t->op != GGML_OP_CONT) return NULL;
+        if (t->op != GGML_OP_CPY && t->op != GGML_OP_DUP && t->op != GGML_OP_CONT && t->op != GGML_OP_CUSTOM) return NULL;
         t = t->src[0];
     }
     return t;
@@ -188,9 +188,29 @@ static bool is_dead(const rg_graph_build * b, const struct ggml_tensor * t) {
     return false;
 }
 
+/* cont(transpose(t)), made once per source even when several products need it (the input of
+ * q, k and v is one tensor) */
+typedef struct {
+    struct ggml_tensor * src[1024];
+    struct ggml_tensor * dst[1024];
+    int                  n;
+} rg_transposes;
+
+static struct ggml_tensor * transposed(rg_transposes * tc, struct ggml_context * ctx, struct ggml_tensor * t) {
+    for (int i = 0; i < tc->n; i++) if (tc->src[i] == t) return tc->dst[i];
+    struct ggml_tensor * r = ggml_cont(ctx, ggml_transpose(ctx, t));
+    if (tc->n < 1024) {
+        tc->src[tc->n] = t;
+        tc->dst[tc->n++] = r;
+    }
+    return r;
+}
+
 static struct ggml_cgraph * rewrite(rg_engine * e, rg_graph_build * b, struct ggml_cgraph * gf) {
     struct ggml_context * ctx = b->ctx;
     const int n = ggml_graph_n_nodes(gf);
+    static __thread rg_transposes tc;
+    tc.n = 0;
     for (int i = 0; i < n; i++) {
         struct ggml_tensor * node = ggml_graph_node(gf, i);
         for (int j = 0; j < GGML_MAX_SRC; j++) {
@@ -203,25 +223,17 @@ static struct ggml_cgraph * rewrite(rg_engine * e, rg_graph_build * b, struct gg
          * slow on the CPU for every type, the matmul kernels are not */
         struct ggml_tensor * a = node->src[0], * bt = node->src[1];
         struct ggml_tensor * w = base_weight_of(e->model, a);
-        /* a transposed copy of an activation only pays off when the product is large against
-         * it (attention); small LoRA products stay OUT_PROD */
-        const double macs = (double) node->ne[0] * node->ne[1] * node->ne[2] * node->ne[3] * a->ne[1];
-        const double copied = (w ? 0 : (double) ggml_nelements(a)) + (bt->op == GGML_OP_TRANSPOSE ? 0 : (double) ggml_nelements(bt));
-        if (copied > 0 && macs < 64.0 * copied) continue;
         struct ggml_tensor * x;
         if (w && w->type != GGML_TYPE_F32 && e->matmul_mode != RG_MATMUL_F32) {
             /* a frozen base weight: dequantize, transpose to F16 (transient, freed after use);
              * F16 halves the copy and doubles the matmul speed against F32 (DESIGN.md) */
-            struct ggml_tensor * f16 = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, w->ne[1], w->ne[0]);
-            struct ggml_tensor * src = w->type == GGML_TYPE_F16 ? w : ggml_cast(ctx, w, GGML_TYPE_F32);
-            x = ggml_cpy(ctx, ggml_transpose(ctx, src), f16);
-            ggml_format_name(x, "%s (transposed, f16)", w->name);
+            x = w->type == GGML_TYPE_F16 ? ggml_cont(ctx, ggml_transpose(ctx, w)) : rg_dequant_f16(ctx, w, true);
         } else if (w) {
             x = ggml_cont(ctx, ggml_transpose(ctx, w->type == GGML_TYPE_F32 ? w : ggml_cast(ctx, w, GGML_TYPE_F32)));
         } else {
-            x = ggml_cont(ctx, ggml_transpose(ctx, a));
+            x = transposed(&tc, ctx, a);
         }
-        struct ggml_tensor * y = bt->op == GGML_OP_TRANSPOSE ? bt->src[0] : ggml_cont(ctx, ggml_transpose(ctx, bt));
+        struct ggml_tensor * y = bt->op == GGML_OP_TRANSPOSE ? bt->src[0] : transposed(&tc, ctx, bt);
         if (x->ne[0] != y->ne[0] || node->ne[0] != x->ne[1] || node->ne[1] != y->ne[1] ||
             node->ne[2] != y->ne[2] || node->ne[3] != y->ne[3] || y->ne[2] % x->ne[2] != 0 ||
             y->nb[0] != sizeof(float)) {

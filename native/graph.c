@@ -46,8 +46,7 @@ static struct ggml_tensor * linear(rg_graph_build * b, int il, int t, struct ggm
     if (b->matmul_mode == RG_MATMUL_F32 && w->type != GGML_TYPE_F32) {
         y = ggml_mul_mat(ctx, ggml_cast(ctx, w, GGML_TYPE_F32), x);
     } else if (rg_use_f16_matmul(w->type, b->matmul_mode)) {
-        /* CPU: quantized -> F16 has no direct conversion, so through F32 (transients) */
-        y = ggml_mul_mat(ctx, ggml_cast(ctx, ggml_cast(ctx, w, GGML_TYPE_F32), GGML_TYPE_F16), x);
+        y = ggml_mul_mat(ctx, rg_dequant_f16(ctx, w, false), x);
     } else {
         y = ggml_mul_mat(ctx, w, x);
     }

@@ -272,8 +272,8 @@ static struct ggml_tensor * head_transpose_product(rg_head * h, struct ggml_cont
     for (int64_t v0 = 0; v0 < V; v0 += HEAD_VOCAB_SLICE) {
         const int64_t nv = V - v0 < HEAD_VOCAB_SLICE ? V - v0 : HEAD_VOCAB_SLICE;
         struct ggml_tensor * ws = ggml_view_2d(ctx, w, w->ne[0], nv, w->nb[1], (size_t) v0 * w->nb[1]);
-        struct ggml_tensor * wt = ggml_cpy(ctx, ggml_transpose(ctx, ggml_cast(ctx, ws, GGML_TYPE_F32)),
-                                           ggml_new_tensor_2d(ctx, f32 ? GGML_TYPE_F32 : GGML_TYPE_F16, nv, w->ne[0]));
+        struct ggml_tensor * wt = f32 ? ggml_cont(ctx, ggml_transpose(ctx, ggml_cast(ctx, ws, GGML_TYPE_F32)))
+                                      : rg_dequant_f16(ctx, ws, true);   /* [nv, n_embd] */
         struct ggml_tensor * ds = ggml_view_2d(ctx, d, nv, d->ne[1], d->nb[1], (size_t) v0 * sizeof(float));
         struct ggml_tensor * part = ggml_mul_mat(ctx, wt, ds);  /* [n_embd, n] */
         acc = acc ? ggml_add(ctx, acc, part) : part;

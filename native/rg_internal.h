@@ -109,6 +109,9 @@ bool rg_build_trunk(rg_graph_build * b);
 /* Fill the causal/packing (and sliding-window) masks for a batch. */
 void rg_fill_masks(const rg_hparams * hp, const rg_batch * batch, float * mask, float * mask_swa);
 
+/* A transient F16 copy of a (quantized) weight, optionally transposed (convert.c). */
+struct ggml_tensor * rg_dequant_f16(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed);
+
 /* Whether a weight of this type is multiplied through an on-the-fly F16 copy. */
 bool rg_use_f16_matmul(enum ggml_type type, int mode);
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,9 +138,13 @@ def _plain(v: Any) -> Any:
     return str(v) if isinstance(v, Path) else v
 
 
+def _is_union(origin: Any) -> bool:
+    return origin is typing.Union or origin is types.UnionType
+
+
 def _describe(tp: Any) -> str:
     origin = typing.get_origin(tp)
-    if origin is typing.Union:
+    if _is_union(origin):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return _describe(args[0])
     if origin is list or tp is list:
@@ -150,8 +155,9 @@ def _describe(tp: Any) -> str:
 
 def _coerce(value: Any, tp: Any, where: str, meta: dict, base: Path) -> Any:
     origin = typing.get_origin(tp)
-    if origin is typing.Union:
+    if _is_union(origin):
         tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        origin = typing.get_origin(tp)
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false, got {value!r}")

@@ -1,0 +1,94 @@
+"""Training throughput and memory, side by side with PyTorch + PEFT on the same GGUF.
+
+Runs LoRA training steps (rank 16, all seven targets, 4 sequences x 256 tokens, loss on every
+token) on the default model with retrograd, and in the same run ../shared/bench/torch_lora_sft.py
+(the tool a CPU user would otherwise pick), then prints both and the ratio. Each side runs in its
+own process, so peak RSS is its own.
+
+    python scripts/bench_train.py [--model M] [--steps 5] [--torch-python .venv-torch/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+OURS = r"""
+import json, statistics, sys, time
+import numpy as np
+from retrograd import native
+from retrograd.engine import LoraSpec, Trainable
+model, seq, batch, steps, mb = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+tr = Trainable(model, LoraSpec(16, 32.0), seed=0)
+rng = np.random.default_rng(0)
+x = rng.integers(0, tr.info.n_vocab, (batch, seq)).astype(np.int32)
+n_targets = batch * (seq - 1)
+per = max(1, mb // seq)
+def step(i):
+    for s in range(0, batch, per):
+        toks = x[s:s + per].reshape(-1)
+        seqs = np.repeat(np.arange(len(x[s:s + per])), seq)
+        b = native.Batch.next_token(toks, seqs)
+        tr.accumulate(b, lambda inp: native.LossOutputs(np.full(len(inp.logp), -1.0 / n_targets, np.float32)))
+    tr.optimizer_step(lr=2e-4, step=i + 1)
+step(0)
+times = []
+t0 = tr.engine.timings()
+for i in range(steps):
+    t = time.perf_counter(); step(i + 1); times.append(time.perf_counter() - t)
+t1 = tr.engine.timings()
+phases = {k: (getattr(t1, k) - getattr(t0, k)) / steps / 1000 for k in
+          ("forward_ms", "head_ms", "backward_ms", "optimizer_ms", "build_ms", "alloc_ms")}
+med = statistics.median(times)
+print(json.dumps({"tokens_s": batch * seq / med, "step_s": med, "steps": times, "phases_s": phases,
+                  "rss_mb": int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) / 1024}))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="GGUF (default: the embedded default model)")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--micro-batch-tokens", type=int, default=256)
+    ap.add_argument("--torch-python", default=str(ROOT / ".venv-torch" / "bin" / "python"),
+                    help="a Python with torch, transformers, peft and gguf (see ../shared/bench/README.md)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    from retrograd.models import default_model_path
+
+    model = args.model or str(default_model_path())
+    env = {**os.environ, "RETRO_THREADS": str(args.threads), "THREADS": str(args.threads)}
+    out = subprocess.run([sys.executable, "-c", OURS, model, str(args.seq), str(args.batch), str(args.steps),
+                          str(args.micro_batch_tokens)], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        sys.exit(f"retrograd run failed:\n{out.stderr}")
+    ours = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"retrograd   {ours['tokens_s']:7.1f} tokens/s  step {ours['step_s']:.2f} s (median of {args.steps})  "
+          f"peak RSS {ours['rss_mb']:.0f} MiB")
+    print("            per step: " + ", ".join(f"{k[:-3]} {v:.2f} s" for k, v in ours["phases_s"].items()))
+    bench = ROOT.parent / "shared" / "bench" / "torch_lora_sft.py"
+    if not Path(args.torch_python).exists() or not bench.exists():
+        print(f"torch+peft  skipped: {args.torch_python if not Path(args.torch_python).exists() else bench} missing")
+        return
+    out = subprocess.run([args.torch_python, str(bench), model, str(args.seq), str(args.batch), str(args.steps)],
+                         capture_output=True, text=True, env=env)
+    m = re.search(r"([\d.]+) tokens/s.*peak_rss (\d+) MiB", out.stdout)
+    if out.returncode != 0 or not m:
+        print(f"torch+peft  failed:\n{out.stderr[-2000:]}")
+        return
+    tps, rss = float(m.group(1)), float(m.group(2))
+    print(f"torch+peft  {tps:7.1f} tokens/s  peak RSS {rss:.0f} MiB  ({out.stdout.strip()})")
+    print(f"ratio       {ours['tokens_s'] / tps:.2f}x the tokens/s at {ours['rss_mb'] / rss:.2f}x the memory")
+
+
+if __name__ == "__main__":
+    main()
