@@ -10,7 +10,6 @@ COMMON = "Paths on the command line resolve against the current directory; paths
          "resolve against the file's directory."
 
 NOT_BUILT = {
-    "serve": "the OpenAI-compatible server (issue 4)",
     "distill-teacher": "offline distillation top-k files (issue 6)",
     "tools": "the agentic tool catalog (agentic GRPO)",
     "scenarios": "scenario generation (agentic GRPO)",
@@ -71,6 +70,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=512, metavar="N", help="default 512")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed")
     p.add_argument("--ctx", type=int, metavar="N", help="context length (overrides [model].ctx)")
+
+    p = sub.add_parser("serve", help="serve the model through the OpenAI API",
+                       description="Serve the model through the OpenAI API (/v1/chat/completions, /v1/models). The "
+                                   "weights are chosen like chat: the adapter the configuration trains unless --adapter, "
+                                   "--checkpoint (the adapter exported beside a .state directory) or --base-only. The "
+                                   "base model is served beside it as 'base'. Binding anything but a loopback address "
+                                   "requires --api-key (clients send Authorization: Bearer KEY).")
+    _common(p)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--adapter", metavar="ADAPTER.gguf", help="serve this adapter")
+    g.add_argument("--checkpoint", metavar="DIR/best.state", help="serve the adapter exported beside this checkpoint")
+    g.add_argument("--base-only", action="store_true", help="serve only the base model")
+    p.add_argument("--ctx", type=int, metavar="N", help="context length (overrides [model].ctx)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", metavar="KEY", help="require Authorization: Bearer KEY")
+    p.add_argument("--model-name", metavar="NAME", help="model id (default: the adapter's file name)")
 
     p = sub.add_parser("inspect", help="architecture, tensor types, LoRA targets and device of a GGUF",
                        description="Print the model's architecture, tensor types, suggested LoRA targets and the "

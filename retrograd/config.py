@@ -113,6 +113,15 @@ class EvaluationSection:
 
 
 @dataclass
+class ServingSection:
+    enabled: bool = opt(False, "let retrograd-server serve this run's live weights while it trains")
+    idle_seconds: int = opt(300, "unload a served model after this many idle seconds", min=1)
+    device_wait_seconds: int = opt(0, "how long a load may wait for a device a run holds (0: refuse)", min=0)
+    queue: int = opt(8, "requests waiting beyond this get HTTP 429", min=1)
+    max_body_bytes: int = opt(4 << 20, "largest request body accepted (HTTP 413 beyond)", min=1024)
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     lora: LoraSection = field(default_factory=LoraSection)
@@ -121,6 +130,7 @@ class Config:
     training: TrainingSection = field(default_factory=TrainingSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
+    serving: ServingSection = field(default_factory=ServingSection)
     source: Path | None = None      # the TOML file, when there is one
 
     def to_dict(self) -> dict:

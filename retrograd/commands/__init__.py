@@ -44,6 +44,8 @@ def dispatch(args: argparse.Namespace) -> int:
             from retrograd.eval import bench as cmd
         elif args.command == "chat":
             from retrograd.commands import chat as cmd
+        elif args.command == "serve":
+            from retrograd.commands import serve as cmd
         else:  # pragma: no cover - the parser knows every command
             raise SystemExit(f"unknown command {args.command}")
         return cmd.run(args)

@@ -44,8 +44,36 @@ class Completion:
     finish_reason: str = "length"                        # "stop" (end token or stop string) or "length"
 
 
+def _fast_top_p() -> bool:
+    return os.environ.get("RETRO_FAST_TOP_P", "0") == "1"
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Token ids of the smallest most-probable set with mass >= top_p, most probable first, equal
+    probabilities by token id (what a full stable sort gives). Candidates are taken by partial
+    selection, growing until they hold the mass; all tokens tied with the last candidate are
+    included, so the result is exact. RETRO_FAST_TOP_P=1 skips the tie handling."""
+    n = len(probs)
+    k = 64
+    fast = _fast_top_p()
+    while k < n:
+        part = np.argpartition(-probs, k)[:k]
+        cutoff = probs[part].min()
+        cand = part if fast else np.nonzero(probs >= cutoff)[0]
+        if probs[cand].sum() >= top_p:
+            break
+        k *= 4
+    else:
+        cand = np.arange(n)
+    order = cand[np.lexsort((cand, -probs[cand]))]
+    cum = np.cumsum(probs[order])
+    return order[: int(np.searchsorted(cum, top_p)) + 1]
+
+
 def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> tuple[int, float]:
-    """Choose a token; return it and its log-probability under the model (temperature 1)."""
+    """Choose a token; return it and its log-probability under the model (temperature 1).
+
+    Top-p keeps the smallest set of most probable tokens whose mass reaches p (see _nucleus)."""
     z = logits.astype(np.float64)
     zmax = z.max()
     logp_model = z - zmax - np.log(np.exp(z - zmax).sum())
@@ -56,16 +84,13 @@ def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> t
     if p.top_k and p.top_k < len(z):
         kth = np.partition(z, -p.top_k)[-p.top_k]
         z = np.where(z >= kth, z, -np.inf)
-    probs = np.exp(z - z.max())
+    probs = np.exp(z)
     probs /= probs.sum()
     if 0 < p.top_p < 1:
-        order = np.argsort(-probs, kind="stable")
-        cum = np.cumsum(probs[order])
-        cut = int(np.searchsorted(cum, p.top_p)) + 1
-        keep = order[:cut]
-        mask = np.zeros_like(probs)
-        mask[keep] = probs[keep]
-        probs = mask / mask.sum()
+        keep = _nucleus(probs, p.top_p)
+        kept = probs[keep] / probs[keep].sum()
+        tok = int(keep[rng.choice(len(keep), p=kept)])
+        return tok, float(logp_model[tok])
     tok = int(rng.choice(len(probs), p=probs))
     return tok, float(logp_model[tok])
 
@@ -97,6 +122,8 @@ class Generator:
         self.n_ctx = n_ctx
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
         self._mem = lc.llama_get_memory(self._ctx)
+        self._batch_cap = max(512, self.n_seq)
+        self._batch = lc.llama_batch_init(self._batch_cap, 0, 1)
         self._adapter = None
         self._cache: list[int] = []    # tokens in sequence 0's KV cache, for prefix reuse
 
@@ -138,26 +165,26 @@ class Generator:
     def _decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
                 logits: Sequence[bool]) -> None:
         n = len(tokens)
-        for s in range(0, n, 512):
-            e = min(n, s + 512)
-            batch = lc.llama_batch_init(e - s, 0, 1)
-            try:
-                for i in range(s, e):
-                    j = i - s
-                    batch.token[j] = tokens[i]
-                    batch.pos[j] = positions[i]
-                    batch.n_seq_id[j] = 1
-                    batch.seq_id[j][0] = seqs[i]
-                    batch.logits[j] = logits[i]
-                batch.n_tokens = e - s
-                rc = lc.llama_decode(self._ctx, batch)
-                if rc != 0:
-                    raise RuntimeError(f"llama_decode failed ({rc}): context of {self.n_ctx} tokens too small?")
-            finally:
-                lc.llama_batch_free(batch)
+        batch = self._batch
+        for s in range(0, n, self._batch_cap):
+            e = min(n, s + self._batch_cap)
+            for i in range(s, e):
+                j = i - s
+                batch.token[j] = tokens[i]
+                batch.pos[j] = positions[i]
+                batch.n_seq_id[j] = 1
+                batch.seq_id[j][0] = seqs[i]
+                batch.logits[j] = logits[i]
+            batch.n_tokens = e - s
+            rc = lc.llama_decode(self._ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed ({rc}): context of {self.n_ctx} tokens too small?")
 
     def _logits(self, i: int) -> np.ndarray:
         return np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, i), shape=(self.n_vocab,)).copy()
+
+    def _all_logits(self, n: int) -> np.ndarray:
+        return np.ctypeslib.as_array(lc.llama_get_logits(self._ctx), shape=(n, self.n_vocab)).copy()
 
     def _prefill(self, prompt: Sequence[int], n_seq: int) -> np.ndarray:
         """Put the prompt in sequence 0 (reusing the cached prefix) and share it with 1..n_seq-1."""
@@ -217,7 +244,8 @@ class Generator:
             if not step_tokens:
                 break
             self._decode(step_tokens, [pos] * len(step_tokens), step_seqs, [True] * len(step_tokens))
-            logits = {s: self._logits(i) for i, s in enumerate(step_seqs)}
+            rows = self._all_logits(len(step_seqs))
+            logits = {s: rows[i] for i, s in enumerate(step_seqs)}
             pos += 1
         self._cache = list(prompt)
         lc.llama_memory_seq_rm(self._mem, 0, len(prompt), -1)
@@ -227,6 +255,9 @@ class Generator:
         return outs
 
     def close(self) -> None:
+        if getattr(self, "_batch", None) is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
         if getattr(self, "_ctx", None):
             lc.llama_free(self._ctx)
             self._ctx = None

@@ -1,0 +1,140 @@
+"""An OpenAI-compatible HTTP server (aiohttp) over one llama.cpp generator: /v1/chat/completions and
+/v1/models. Requests are admitted into a bounded queue and served one at a time (never interleaved
+into one context); generation runs in a worker thread so the event loop keeps answering. Every
+error is an OpenAI-style JSON object, never a 500 for bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from aiohttp import web
+
+from retrograd.data.chat import ChatFormat
+from retrograd.generation.llama import Generator, SamplingParams
+from retrograd.generation.toolcalls import parse
+from retrograd.serve.openai_api import (ApiError, ChatRequest, completion_body, completion_id, message_payload,
+                                        parse_chat_request, stream_events)
+
+BASE_ID = "base"
+
+
+@dataclass
+class ServedModel:
+    id: str
+    adapter: Optional[bytes]      # None: the base model
+
+
+class ModelHost:
+    """The generator and the models it can answer as; switching swaps the adapter in memory."""
+
+    def __init__(self, gen: Generator, chat: ChatFormat, models: list[ServedModel]) -> None:
+        self.gen = gen
+        self.chat = chat
+        self.models = {m.id: m for m in models}
+        self.created = int(time.time())
+        self._seed = 0
+        self._lock = threading.Lock()
+
+    def complete(self, req: ChatRequest) -> tuple[dict, str, dict]:
+        with self._lock:
+            model = self.models[req.model]
+            if (model.adapter is None) == self.gen.has_adapter:
+                self.gen.set_adapter(model.adapter)
+            tok = self.gen.tokenizer
+            text = self.chat.render(req.messages, tools=req.tools, add_generation_prompt=True)
+            prompt = tok.encode(text, add_bos=tok.add_bos and not text.startswith(self.chat.bos_token or "\0"))
+            room = self.gen.n_ctx - len(prompt) - 1
+            if room < 1:
+                raise ApiError(400, f"messages: the prompt has {len(prompt)} tokens, the context holds "
+                                    f"{self.gen.n_ctx}", param="messages", code="context_length_exceeded")
+            max_new = min(req.max_tokens or room, room)
+            self._seed += 1
+            params = SamplingParams(req.temperature, req.top_p, 0, max_new,
+                                    req.seed if req.seed is not None else self._seed, tuple(req.stop))
+            out = self.gen.generate(prompt, [params])[0]
+        finish = "stop" if out.finish_reason == "stop" else "length"
+        content: Optional[str] = out.text
+        calls: list[dict] = []
+        if req.tools:
+            parsed = parse(out.text, {t["function"]["name"] for t in req.tools})
+            if parsed.calls:
+                content = parsed.content
+                calls = [c.to_openai(i) for i, c in enumerate(parsed.calls)]
+                finish = "tool_calls"
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out.tokens),
+                 "total_tokens": len(prompt) + len(out.tokens)}
+        return message_payload(content, calls), finish, usage
+
+
+def _json_error(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status)
+
+
+def create_app(host: ModelHost, *, api_key: Optional[str] = None, queue: int = 8,
+               max_body_bytes: int = 4 << 20) -> web.Application:
+    waiting = 0
+    turn = asyncio.Lock()
+
+    @web.middleware
+    async def errors(request: web.Request, handler):
+        if api_key is not None and request.headers.get("Authorization", "") != f"Bearer {api_key}":
+            return _json_error(ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                                        code="invalid_api_key", kind="authentication_error"))
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return _json_error(exc)
+        except web.HTTPRequestEntityTooLarge:
+            return _json_error(ApiError(413, f"the request body exceeds {max_body_bytes} bytes", code="too_large"))
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _json_error(ApiError(exc.status, exc.reason or "error", code=str(exc.status)))
+
+    async def models(_request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "created": host.created, "owned_by": "retrograd"} for m in host.models]
+        return web.json_response({"object": "list", "data": data})
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        nonlocal waiting
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+        req = parse_chat_request(body)
+        if req.model not in host.models:
+            raise ApiError(404, f"model: no model {req.model!r}; this server has {', '.join(host.models)}",
+                           param="model", code="model_not_found")
+        if waiting >= queue:
+            raise ApiError(429, f"the server is busy ({waiting} requests waiting)", code="queue_full")
+        waiting += 1
+        try:
+            async with turn:
+                if request.transport is None or request.transport.is_closing():
+                    raise web.HTTPRequestTimeout(reason="client went away")     # nobody to answer
+                message, finish, usage = await asyncio.get_running_loop().run_in_executor(None, host.complete, req)
+        finally:
+            waiting -= 1
+        cid = completion_id()
+        if not req.stream:
+            return web.json_response(completion_body(cid, req.model, message, finish, usage))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            for event in stream_events(cid, req.model, message, finish, usage):
+                await resp.write(event)
+            await resp.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        return resp
+
+    app = web.Application(middlewares=[errors], client_max_size=max_body_bytes)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    return app

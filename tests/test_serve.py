@@ -1,0 +1,234 @@
+"""`retrograd serve` on the real default model, reached with the openai SDK."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import THREADS
+
+from retrograd.generation.toolcalls import parse
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(config: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "RETRO_THREADS": str(THREADS)}
+    p = subprocess.Popen([sys.executable, "-m", "retrograd.cli", "serve", str(config), "--port", str(port), *extra],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if p.poll() is not None:
+            raise AssertionError(p.stderr.read())
+        try:
+            urllib.request.urlopen(url + "/models", timeout=1)
+            return p, url
+        except urllib.error.HTTPError:
+            return p, url           # up, but wants a key
+        except OSError:
+            time.sleep(0.2)
+    p.kill()
+    raise AssertionError("server did not start")
+
+
+@pytest.fixture(scope="module")
+def run_dir(smollm, tmp_path_factory):
+    """An adapter trained to answer weather questions with a tool call, then with the result."""
+    d = tmp_path_factory.mktemp("serve")
+    recs = []
+    for city in ["Oslo", "Lima", "Pune", "Kyoto", "Accra", "Quito", "Perth", "Turin"]:
+        recs.append({"tools": [WEATHER], "messages": [
+            {"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "get_weather",
+                                                                                    "arguments": {"city": city}}}]},
+            {"role": "tool", "content": "sunny, 21 C"},
+            {"role": "assistant", "content": f"It is sunny and 21 C in {city}."}]})
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (d / "run.toml").write_text(f"""
+[model]
+path = "{smollm}"
+ctx = 1024
+[run]
+name = "s"
+[data]
+train = "train.jsonl"
+[training]
+max_steps = 12
+batch_size = 4
+learning_rate = 3e-3
+[checkpoint]
+every_steps = 6
+""")
+    out = subprocess.run([sys.executable, "-m", "retrograd.cli", "train", str(d / "run.toml")], capture_output=True,
+                         text=True, env={**os.environ, "RETRO_THREADS": str(THREADS)}, timeout=900)
+    assert out.returncode == 0, out.stderr
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(run_dir):
+    p, url = start(run_dir / "run.toml", "--model-name", "tuned")
+    yield url
+    p.terminate()
+    p.wait(timeout=30)
+
+
+def client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=300)
+
+
+def test_models_and_plain_chat(server):
+    c = client(server)
+    assert sorted(m.id for m in c.models.list().data) == ["base", "tuned"]
+    r = c.chat.completions.create(model="base", messages=[{"role": "user", "content": "Say hello."}],
+                                  temperature=0, max_tokens=16)
+    assert r.choices[0].message.content and r.usage.completion_tokens <= 16
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streaming_arrives_in_one_piece(server):
+    c = client(server)
+    chunks = list(c.chat.completions.create(model="tuned", messages=[{"role": "user", "content": "Hi"}],
+                                            temperature=0, max_tokens=12, stream=True))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text and chunks[-1].choices[0].finish_reason in ("stop", "length")
+    same = c.chat.completions.create(model="tuned", messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                     max_tokens=12)
+    assert same.choices[0].message.content == text        # temperature 0 is greedy
+
+
+def test_tool_call_round_trip(server):
+    c = client(server)
+    msgs = [{"role": "user", "content": "What is the weather in Bergen?"}]
+    r = c.chat.completions.create(model="tuned", messages=msgs, tools=[WEATHER], temperature=0, max_tokens=48)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Bergen"}
+    msgs += [choice.message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    r = c.chat.completions.create(model="tuned", messages=msgs, tools=[WEATHER], temperature=0, max_tokens=32)
+    assert r.choices[0].finish_reason == "stop" and "Bergen" in r.choices[0].message.content
+    # tool_choice none leaves the catalog out: no tool call comes back
+    r = c.chat.completions.create(model="tuned", messages=msgs[:1], tools=[WEATHER], tool_choice="none",
+                                  temperature=0, max_tokens=24)
+    assert not r.choices[0].message.tool_calls
+
+
+def test_base_and_adapter_differ(server):
+    c = client(server)
+    msgs = [{"role": "user", "content": "What is the weather in Lima?"}]
+    a = c.chat.completions.create(model="tuned", messages=msgs, tools=[WEATHER], temperature=0, max_tokens=32)
+    b = c.chat.completions.create(model="base", messages=msgs, tools=[WEATHER], temperature=0, max_tokens=32)
+    assert a.choices[0].message.tool_calls and (b.choices[0].message.content or "") != (a.choices[0].message.content or "")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": 1.0}, "frequency_penalty"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"temperature": "hot"}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
+])
+def test_refusals_name_the_field(server, extra, param):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.chat.completions.create(model="tuned", messages=[{"role": "user", "content": "x"}], **extra)
+    assert exc.value.body["param"] == param and param in exc.value.body["message"]
+
+
+def raw_post(url: str, data: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url + "/chat/completions", data=data, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_malformed_unknown_and_oversized(server):
+    status, body = raw_post(server, b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = raw_post(server, json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode())
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, body = raw_post(server, json.dumps({"model": "tuned", "messages": "hi"}).encode())
+    assert status == 400 and body["error"]["param"] == "messages"
+    big = json.dumps({"model": "tuned", "messages": [{"role": "user", "content": "x" * (5 << 20)}]}).encode()
+    status, body = raw_post(server, big)
+    assert status == 413 and "exceeds" in body["error"]["message"]
+
+
+def test_client_disconnect_does_not_wedge(server):
+    host, port = server.split("//")[1].split("/")[0].split(":")
+    body = json.dumps({"model": "tuned", "stream": True, "max_tokens": 64,
+                       "messages": [{"role": "user", "content": "Tell me a story."}]}).encode()
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.2)
+    r = client(server).chat.completions.create(model="base", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=4, temperature=0)
+    assert r.choices[0].message.content is not None
+
+
+def test_api_key_rules(run_dir):
+    out = subprocess.run([sys.executable, "-m", "retrograd.cli", "serve", str(run_dir / "run.toml"), "--host",
+                          "0.0.0.0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "requires --api-key" in out.stderr
+    p, url = start(run_dir / "run.toml", "--api-key", "sekret", "--base-only")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").models.list()
+        status, body = raw_post(url, b"{}")
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert [m.id for m in client(url, "sekret").models.list().data] == ["base"]
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+
+
+@pytest.mark.parametrize("text, calls, fmt", [
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>', [("f", {"a": 1})], "hermes"),
+    ('ok <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call><tool_call>{"name": "g", "arguments": {"x": "y"}}'
+     '</tool_call>', [("f", {}), ("g", {"x": "y"})], "hermes"),
+    ('<|python_tag|>{"name": "f", "parameters": {"a": 2}}', [("f", {"a": 2})], "llama3"),
+    ('{"name": "f", "parameters": {"a": 2}}', [("f", {"a": 2})], "llama3"),
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 3}}]', [("f", {"a": 3})], "mistral"),
+    ('[TOOL_CALLS]f[ARGS]{"a": 4}', [("f", {"a": 4})], "mistral"),
+    ('```tool_code\nf(a=5, b="x")\n```', [("f", {"a": 5, "b": "x"})], "gemma"),
+    ('[f(a=6), g()]', [("f", {"a": 6}), ("g", {})], "gemma"),
+    ('Sure:\n```json\n{"name": "f", "arguments": {"a": 7}}\n```', [("f", {"a": 7})], "json"),
+    ("no call here", [], ""),
+])
+def test_tool_call_formats(text, calls, fmt):
+    p = parse(text)
+    assert [(c.name, c.arguments) for c in p.calls] == calls and p.format == fmt and not p.errors
+
+
+def test_malformed_tool_calls_are_reported_not_raised():
+    p = parse('<tool_call>{"name": "f", "arguments": {oops</tool_call>')
+    assert not p.calls and p.errors and "not valid JSON" in p.errors[0]
+    p = parse('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', {"f"})
+    assert not p.calls and "unknown tool 'nope'" in p.errors[0]
+    p = parse("```tool_code\nimport os\n```")
+    assert not p.calls and p.errors
