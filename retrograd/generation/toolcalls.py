@@ -16,7 +16,7 @@ import ast
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass
@@ -31,13 +31,13 @@ class ToolCall:
 
 @dataclass
 class Parsed:
-    content: Optional[str]
+    content: str | None
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     format: str = ""
 
 
-def _call_from_obj(obj: Any) -> Optional[ToolCall]:
+def _call_from_obj(obj: Any) -> ToolCall | None:
     if not isinstance(obj, dict):
         return None
     fn = obj.get("function") if isinstance(obj.get("function"), dict) else obj
@@ -99,11 +99,11 @@ _FENCE = re.compile(r"```(?:tool_code|tool_call|python)\s*\n(.*?)```", re.S)
 _JSON_FENCE = re.compile(r"```(?:json)?\s*\n(\{.*?\})\s*```", re.S)
 
 
-def parse(text: str, tool_names: Optional[set[str]] = None) -> Parsed:
+def parse(text: str, tool_names: set[str] | None = None) -> Parsed:
     """Find tool calls in `text`; with tool_names, calls to unknown tools are reported as errors."""
     errors: list[str] = []
     calls: list[ToolCall] = []
-    content: Optional[str] = text
+    content: str | None = text
     fmt = ""
     if "<tool_call>" in text:
         fmt = "hermes"

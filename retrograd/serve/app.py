@@ -10,15 +10,21 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 from aiohttp import web
 
 from retrograd.data.chat import ChatFormat
 from retrograd.generation.llama import Generator, SamplingParams
 from retrograd.generation.toolcalls import parse
-from retrograd.serve.openai_api import (ApiError, ChatRequest, completion_body, completion_id, message_payload,
-                                        parse_chat_request, stream_events)
+from retrograd.serve.openai_api import (
+    ApiError,
+    ChatRequest,
+    completion_body,
+    completion_id,
+    message_payload,
+    parse_chat_request,
+    stream_events,
+)
 
 BASE_ID = "base"
 
@@ -26,7 +32,7 @@ BASE_ID = "base"
 @dataclass
 class ServedModel:
     id: str
-    adapter: Optional[bytes]      # None: the base model
+    adapter: bytes | None      # None: the base model
 
 
 class ModelHost:
@@ -58,7 +64,7 @@ class ModelHost:
                                     req.seed if req.seed is not None else self._seed, tuple(req.stop))
             out = self.gen.generate(prompt, [params])[0]
         finish = "stop" if out.finish_reason == "stop" else "length"
-        content: Optional[str] = out.text
+        content: str | None = out.text
         calls: list[dict] = []
         if req.tools:
             parsed = parse(out.text, {t["function"]["name"] for t in req.tools})
@@ -75,7 +81,7 @@ def _json_error(err: ApiError) -> web.Response:
     return web.json_response(err.body(), status=err.status)
 
 
-def create_app(host: ModelHost, *, api_key: Optional[str] = None, queue: int = 8,
+def create_app(host: ModelHost, *, api_key: str | None = None, queue: int = 8,
                max_body_bytes: int = 4 << 20) -> web.Application:
     waiting = 0
     turn = asyncio.Lock()

@@ -7,11 +7,11 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  kind: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
@@ -26,11 +26,11 @@ class ChatRequest:
     messages: list[dict]
     temperature: float = 1.0
     top_p: float = 1.0
-    max_tokens: Optional[int] = None
-    seed: Optional[int] = None
+    max_tokens: int | None = None
+    seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
-    tools: Optional[list[dict]] = None
+    tools: list[dict] | None = None
     tool_choice: Any = "auto"
 
 
@@ -130,7 +130,7 @@ def completion_id() -> str:
     return "chatcmpl-" + uuid.uuid4().hex[:24]
 
 
-def message_payload(content: Optional[str], tool_calls: list[dict]) -> dict:
+def message_payload(content: str | None, tool_calls: list[dict]) -> dict:
     msg: dict = {"role": "assistant", "content": content}
     if tool_calls:
         msg["tool_calls"] = tool_calls
@@ -147,7 +147,7 @@ def stream_events(cid: str, model: str, message: dict, finish: str, usage: dict)
     """The answer in one delta once generated, then the finish reason, then [DONE]."""
     created = int(time.time())
 
-    def chunk(delta: dict, finish_reason: Optional[str], extra: Optional[dict] = None) -> bytes:
+    def chunk(delta: dict, finish_reason: str | None, extra: dict | None = None) -> bytes:
         body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
         if extra:
