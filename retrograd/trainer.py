@@ -30,6 +30,14 @@ class TrainError(RuntimeError):
     pass
 
 
+CURVES = ["loss", "eval_loss", "grad_norm", "lr"]
+
+
+def plot_run(out: Path) -> Path | None:
+    """Draw RUN/loss.png from RUN/metrics.jsonl (also: python scripts/plot_run.py RUN)."""
+    return plot(MetricsLog(Path(out) / "metrics.jsonl").read(), CURVES, Path(out) / "loss.png", title=Path(out).name)
+
+
 @dataclass
 class RunContext:
     cfg: Config
@@ -158,6 +166,7 @@ class Trainer:
     def save(self) -> Path:
         path = ckpt.save(self.ckpt_dir, self.step, self.ctx.trainable, self.state(), self.cfg.to_dict())
         ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep)
+        plot_run(self.ctx.out)          # the curves so far, refreshed with every checkpoint
         return path
 
     # ---- loop --------------------------------------------------------------------------------
@@ -269,8 +278,7 @@ def train(ctx: RunContext, resume: Path | bool | None = None) -> dict:
         trainer.metrics.append(rec)
     trainer.checkpoint_with_best(last)
     ctx.trainable.save_adapter(ctx.out / "adapter.gguf")
-    records = trainer.metrics.read()
-    png = plot(records, ["loss", "eval_loss", "grad_norm", "lr"], ctx.out / "loss.png", title=run_name(cfg))
+    png = plot_run(ctx.out)
     return {"steps": trainer.step, "adapter": str(ctx.out / "adapter.gguf"), "metrics": str(trainer.metrics.path),
             "plot": str(png) if png else None, "seconds": time.monotonic() - t0,
             **{k: v for k, v in last.items() if isinstance(v, float) and not np.isnan(v)}}

@@ -253,3 +253,21 @@ print(json.dumps({{"rss_mb": int(hwm) / 1024}}))
     assert out.returncode == 0, out.stderr
     rss = json.loads(out.stdout.strip().splitlines()[-1])["rss_mb"]
     assert rss < 1500, f"peak RSS {rss:.0f} MiB"
+
+
+def test_non_finite_loss_is_refused_and_leaves_the_adapter(tiny):
+    tr = Trainable(tiny("llama"), LoraSpec(4, 8.0), threads=THREADS)
+    before = tr.lora.state()
+    batch = native.Batch.next_token(np.arange(10, dtype=np.int32))
+    with pytest.raises(native.NativeError, match="non-finite loss coefficient") as exc:
+        tr.accumulate(batch, lambda inp: native.LossOutputs(np.full(len(inp.logp), np.nan, np.float32)))
+    assert exc.value.kind == "non-finite value"
+    tr.lora.zero(native.SLOT_GRAD)
+    after = tr.lora.state()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_missing_default_model_says_how_to_fetch(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "retrograd.cli", "inspect"], capture_output=True, text=True,
+                         env={**os.environ, "RETROGRAD_CACHE": str(tmp_path)})
+    assert out.returncode == 1 and "scripts/fetch_models.py" in out.stderr and "Traceback" not in out.stderr

@@ -114,7 +114,7 @@ class Generator:
         cp.n_batch = max(512, n_ctx)
         cp.n_ubatch = 512
         cp.n_seq_max = self.n_seq
-        cp.kv_unified = True
+        cp.kv_unified = True     # sequences of a group share the prompt cells
         cp.n_threads = cp.n_threads_batch = threads or (os.cpu_count() or 1)
         self._ctx = lc.llama_init_from_model(self._model, cp)
         if not self._ctx:
