@@ -22,7 +22,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ALGORITHMS = ("sft", "grpo", "ppo", "distill", "preference", "agent_grpo")
-BUILT_ALGORITHMS = ("sft",)
+BUILT_ALGORITHMS = ("sft", "grpo")
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
@@ -31,8 +31,8 @@ class ConfigError(ValueError):
 
 
 def opt(default: Any = None, help: str = "", *, choices: tuple = (), min: float | None = None,
-        max: float | None = None, path: bool = False) -> Any:
-    meta = {"help": help, "choices": choices, "min": min, "max": max, "path": path}
+        max: float | None = None, path: bool = False, tables: bool = False) -> Any:
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "path": path, "tables": tables}
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -113,6 +113,28 @@ class EvaluationSection:
 
 
 @dataclass
+class GrpoSection:
+    group_size: int = opt(8, "completions per prompt, generated as one batch", min=2, max=64)
+    prompts_per_step: int = opt(4, "prompts (groups) per optimizer step", min=1)
+    max_new_tokens: int = opt(64, "longest completion", min=1)
+    max_prompt_tokens: int = opt(512, "longer prompts are skipped", min=8)
+    temperature: float = opt(1.0, "sampling temperature", min=0.0, max=5.0)
+    top_p: float = opt(1.0, "sampling top-p", min=0.0, max=1.0)
+    top_k: int = opt(0, "sampling top-k (0: off)", min=0)
+    stop: list = opt([], "stop strings")
+    beta: float = opt(0.04, "KL coefficient to the base model (0: no reference pass)", min=0.0)
+    epsilon: float = opt(0.2, "clip range of the importance ratio (lower side; both sides unless epsilon_high)", min=0.0)
+    epsilon_high: float = opt(0.0, "upper clip range (DAPO's clip-higher; 0: same as epsilon)", min=0.0)
+    loss: str = opt("grpo", "loss variant", choices=("grpo", "dr_grpo", "dapo", "gspo"))
+    scale_rewards: bool = opt(True, "divide advantages by the group's reward std (dr_grpo: set false)")
+    num_iterations: int = opt(1, "optimizer updates per batch of rollouts", min=1, max=16)
+    resample_zero_groups: int = opt(0, "draw up to N other prompts when a group's rewards are all equal", min=0)
+    reward_errors: str = opt("raise", "a reward that fails: stop ('raise') or score 0 ('zero')", choices=("raise", "zero"))
+    rewards: list = opt([], "reward functions with weights ([[grpo.rewards]] tables)", tables=True)
+    eval_prompts: int = opt(32, "prompts scored at each evaluation (greedy, fixed)", min=1)
+
+
+@dataclass
 class ServingSection:
     enabled: bool = opt(False, "let retrograd-server serve this run's live weights while it trains")
     idle_seconds: int = opt(300, "unload a served model after this many idle seconds", min=1)
@@ -130,6 +152,7 @@ class Config:
     training: TrainingSection = field(default_factory=TrainingSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
+    grpo: GrpoSection = field(default_factory=GrpoSection)
     serving: ServingSection = field(default_factory=ServingSection)
     source: Path | None = None      # the TOML file, when there is one
 
@@ -186,6 +209,9 @@ def _coerce(value: Any, tp: Any, where: str, meta: dict, base: Path) -> Any:
             raise ConfigError(f"{where}: expected a path (string), got {value!r}")
         p = Path(value).expanduser()
         value = p if p.is_absolute() else (base / p)
+    elif (tp is list or origin is list) and meta.get("tables"):
+        if not isinstance(value, list) or not all(isinstance(x, dict) for x in value):
+            raise ConfigError(f"{where}: expected a list of tables ([[...]] entries), got {value!r}")
     elif tp is list or origin is list:
         if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
             raise ConfigError(f"{where}: expected a list of strings, got {value!r}")

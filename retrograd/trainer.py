@@ -30,7 +30,7 @@ class TrainError(RuntimeError):
     pass
 
 
-CURVES = ["loss", "eval_loss", "grad_norm", "lr"]
+CURVES = ["loss", "reward_mean", "eval_loss", "eval_reward", "kl", "grad_norm", "lr"]
 
 
 def plot_run(out: Path) -> Path | None:
@@ -86,7 +86,7 @@ def open_model(cfg: Config, *, need_data: bool = True) -> RunContext:
     ctx = RunContext(cfg, run_dir(cfg), trainable, tok, chat)
     if chat.origin.startswith("fallback"):
         ctx.notes.append(f"{model_path.name} has no chat template; using the built-in {chat.origin[9:]} format")
-    if need_data:
+    if need_data and cfg.run.algorithm == "sft":     # RL recipes read their prompts themselves
         load_data(ctx)
     return ctx
 
@@ -212,6 +212,8 @@ class Trainer:
                     raise TrainError("5 steps had non-finite losses or gradients; stopping (the last good "
                                      "checkpoint is intact). Lower the learning rate or check the data.")
             self.step += 1
+            if work.finalize:
+                sums = work.finalize(sums)
             dt = time.monotonic() - t0
             rec = {"step": self.step, "lr": lr, "grad_norm": gnorm, "tokens": work.n_tokens,
                    "tok_s": work.n_tokens / dt if dt > 0 else 0.0, "time": time.time(), **sums, **work.info}

@@ -4,6 +4,8 @@
 
 sft-extract: read a one-sentence news item and answer with a JSON object holding the person,
 the city and the year. The answer is checkable (exact JSON), the base model answers in prose.
+grpo-arith: "What is A + B? Reply with only the number." with A, B in 2..20 and the answer; the
+base model is right 8% of the time and never replies with only the number.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ def make(rng: random.Random) -> dict:
                          {"role": "assistant", "content": answer}]}
 
 
+def arith(rng: random.Random) -> dict:
+    a, b = rng.randint(2, 20), rng.randint(2, 20)
+    return {"prompt": f"What is {a} + {b}? Reply with only the number.", "answer": str(a + b)}
+
+
 def write(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
@@ -65,6 +72,13 @@ def main() -> None:
     write(d / "train.jsonl", records[:400])
     write(d / "eval.jsonl", records[400:])
     print(f"wrote {d}/train.jsonl (400) and eval.jsonl (80)")
+    rng = random.Random(20261203)
+    d = ROOT / "examples" / "grpo-arith"
+    d.mkdir(parents=True, exist_ok=True)
+    records = [arith(rng) for _ in range(560)]
+    write(d / "train.jsonl", records[:500])
+    write(d / "eval.jsonl", records[500:])
+    print(f"wrote {d}/train.jsonl (500) and eval.jsonl (60)")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ class StepWork:
     micro: list[MicroBatch]
     n_tokens: int                         # tokens processed (for throughput)
     info: dict = field(default_factory=dict)
+    finalize: Callable[[dict], dict] | None = None   # summed loss metrics -> what is logged
 
 
 class Recipe(Protocol):
@@ -43,4 +44,7 @@ def recipe_for(name: str):
     if name == "sft":
         from retrograd.algorithms.sft import SFT
         return SFT
+    if name == "grpo":
+        from retrograd.algorithms.grpo import GRPO
+        return GRPO
     raise ValueError(f"algorithm {name!r} is not built yet")

@@ -28,6 +28,7 @@ def load_config(args: argparse.Namespace) -> Config:
 
 def dispatch(args: argparse.Namespace) -> int:
     from retrograd.adapter import AdapterError
+    from retrograd.algorithms.rewards import RewardError
     from retrograd.checkpoint import CheckpointError
     from retrograd.data.chat import ChatTemplateError
     from retrograd.data.formats import DataError
@@ -51,6 +52,9 @@ def dispatch(args: argparse.Namespace) -> int:
         return cmd.run(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RewardError as exc:
+        print(f"error: {getattr(args, 'config', '')}: {exc}", file=sys.stderr)
         return 2
     except (DataError, ModelNotFound, AdapterError, CheckpointError, ChatTemplateError, TrainError,
             NativeError) as exc:

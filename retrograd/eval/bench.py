@@ -46,11 +46,13 @@ def run(args: argparse.Namespace) -> int:
     if cfg.run.algorithm in UNSUPPORTED:
         print(UNSUPPORTED[cfg.run.algorithm], file=sys.stderr)
         return 2
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {args.limit}")
+    if cfg.run.algorithm in ("grpo", "ppo"):
+        return run_rewards(args, cfg)
     ctx = open_model(cfg, need_data=False)
     examples, source = eval_examples(ctx, args)
     if args.limit is not None:
-        if args.limit < 1:
-            raise ConfigError(f"--limit must be >= 1, got {args.limit}")
         examples = examples[: args.limit]
     if not examples:
         raise DataError(f"{source}: no examples to evaluate")
@@ -75,4 +77,52 @@ def run(args: argparse.Namespace) -> int:
         if "adapter" in results:
             d = results["adapter"]["eval_loss"] - results["base"]["eval_loss"]
             print(f"{'change':<10}{d:>+10.4f}")
+    return 0
+
+
+def run_rewards(args: argparse.Namespace, cfg) -> int:
+    """grpo / ppo: the reward distribution of sampled answers, base and adapter on the same draws."""
+    from retrograd.algorithms import rewards as rw
+    from retrograd.data import chat as chat_mod
+    from retrograd.data import tokenizer as tok_mod
+    from retrograd.data.prompts import load_prompts
+    from retrograd.eval.rewards import sample_rewards
+    from retrograd.generation.llama import Generator
+    from retrograd.trainer import resolve_model, resolve_threads
+
+    g = cfg.grpo
+    base = cfg.source.parent if cfg.source else Path.cwd()
+    rewards = rw.build(g.rewards, base, "grpo")
+    model = resolve_model(cfg)
+    tok = tok_mod.load(str(model))
+    chat = chat_mod.format_for(tok, cfg.model.chat_template)
+    if args.data:
+        path = Path(args.data).resolve()
+    elif cfg.evaluation.data:
+        path = Path(cfg.evaluation.data)
+    else:
+        raise ConfigError(f"{cfg.source}: no evaluation prompts: pass --data or set [evaluation].data")
+    prompts, _ = load_prompts(path, tok, chat, max_tokens=g.max_prompt_tokens, skip_bad=cfg.data.skip_bad_lines)
+    prompts = prompts[: args.limit or len(prompts)]
+    gen = Generator(model, n_ctx=min(cfg.model.ctx, g.max_prompt_tokens + g.max_new_tokens + 8), n_seq=g.group_size,
+                    threads=resolve_threads(cfg), device=cfg.model.device)
+    kw = dict(n=g.group_size, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+              max_new_tokens=g.max_new_tokens, stop=tuple(g.stop), seed=cfg.run.seed, on_error=g.reward_errors)
+    results = {"base": sample_rewards(gen, prompts, rewards, **kw)}
+    if args.adapter:
+        gen.load_adapter(Path(args.adapter).resolve())
+        results["adapter"] = sample_rewards(gen, prompts, rewards, **kw)
+    report = {"algorithm": cfg.run.algorithm, "model": str(model), "data": str(path), "prompts": len(prompts),
+              "samples_per_prompt": g.group_size, "temperature": g.temperature,
+              "adapter": str(Path(args.adapter).resolve()) if args.adapter else None, "results": results}
+    fmt = args.format if args.format != "auto" else ("text" if sys.stdout.isatty() else "jsonl")
+    if fmt == "jsonl":
+        print(json.dumps(report))
+        return 0
+    print(f"{len(prompts)} prompts x {g.group_size} samples (temperature {g.temperature}) from {path}")
+    keys = ["reward_mean", "reward_std", "reward_p10", "reward_p50", "reward_p90", "completion_len"]
+    keys += [k for k in results["base"] if k.startswith("pass/")]
+    print(f"{'':<22}" + "".join(f"{name:>12}" for name in results))
+    for k in keys:
+        print(f"{k:<22}" + "".join(f"{r[k]:>12.4f}" for r in results.values()))
     return 0

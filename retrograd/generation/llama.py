@@ -42,6 +42,8 @@ class Completion:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)   # log p(token) under the untempered model
     finish_reason: str = "length"                        # "stop" (end token or stop string) or "length"
+    end_token: int | None = None                         # the end-of-generation token that stopped it
+    end_logprob: float = 0.0
 
 
 def _fast_top_p() -> bool:
@@ -224,6 +226,8 @@ class Generator:
                 o = outs[s]
                 if t in tok.eog_ids:
                     o.finish_reason = "stop"
+                    o.end_token = t
+                    o.end_logprob = lp
                     active.remove(s)
                     continue
                 o.tokens.append(t)
