@@ -22,7 +22,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ALGORITHMS = ("sft", "grpo", "ppo", "distill", "preference", "agent_grpo")
-BUILT_ALGORITHMS = ("sft", "grpo")
+BUILT_ALGORITHMS = ("sft", "grpo", "ppo")
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
@@ -135,6 +135,28 @@ class GrpoSection:
 
 
 @dataclass
+class PpoSection:
+    batch_prompts: int = opt(16, "prompts (one completion each) per batch of rollouts", min=1)
+    max_new_tokens: int = opt(64, "longest completion", min=1)
+    max_prompt_tokens: int = opt(512, "longer prompts are skipped", min=8)
+    temperature: float = opt(1.0, "sampling temperature", min=0.0, max=5.0)
+    top_p: float = opt(1.0, "sampling top-p", min=0.0, max=1.0)
+    stop: list = opt([], "stop strings")
+    gamma: float = opt(1.0, "discount", min=0.0, max=1.0)
+    lam: float = opt(0.95, "GAE lambda", min=0.0, max=1.0)
+    vf_coef: float = opt(0.1, "weight of the value loss", min=0.0)
+    cliprange: float = opt(0.2, "policy ratio clip range", min=0.0)
+    cliprange_value: float = opt(0.2, "value clip range around the rollout's values", min=0.0)
+    kl_coef: float = opt(0.05, "per-token KL penalty to the base model, folded into the rewards", min=0.0)
+    ppo_epochs: int = opt(2, "optimizer updates per batch of rollouts", min=1, max=16)
+    whiten_advantages: bool = opt(True, "normalise advantages over the batch")
+    value_lr: float = opt(1e-3, "learning rate of the value head", min=0.0)
+    bench_samples: int = opt(4, "samples per prompt in bench", min=1, max=64)
+    reward_errors: str = opt("raise", "a reward that fails: stop ('raise') or score 0 ('zero')", choices=("raise", "zero"))
+    rewards: list = opt([], "reward functions with weights ([[ppo.rewards]] tables)", tables=True)
+
+
+@dataclass
 class ServingSection:
     enabled: bool = opt(False, "let retrograd-server serve this run's live weights while it trains")
     idle_seconds: int = opt(300, "unload a served model after this many idle seconds", min=1)
@@ -153,6 +175,7 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     grpo: GrpoSection = field(default_factory=GrpoSection)
+    ppo: PpoSection = field(default_factory=PpoSection)
     serving: ServingSection = field(default_factory=ServingSection)
     source: Path | None = None      # the TOML file, when there is one
 

@@ -120,3 +120,33 @@ def test_user_reward_function_and_errors(tmp_path):
 def test_reward_config_errors(tmp_path, spec, message):
     with pytest.raises(rw.RewardError, match=message):
         rw.build([spec], tmp_path, "grpo")
+
+
+def test_gae_matches_its_definition():
+    from retrograd.algorithms.ppo import gae
+    rng = np.random.default_rng(0)
+    r, v = rng.normal(size=6), rng.normal(size=6)
+    gamma, lam = 0.9, 0.8
+    adv, ret = gae(r, v, gamma, lam)
+    vn = np.append(v, 0.0)
+    delta = r + gamma * vn[1:] - v
+    want = np.array([sum((gamma * lam) ** k * delta[t + k] for k in range(6 - t)) for t in range(6)])
+    np.testing.assert_allclose(adv, want)
+    np.testing.assert_allclose(ret, want + v)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ppo_loss_derivatives(seed):
+    from retrograd.algorithms.ppo import ppo_token_loss
+    rng = np.random.default_rng(seed)
+    n = 10
+    old, adv = -rng.random(n), rng.normal(size=n)
+    logp = old + rng.normal(0, 0.4, n)
+    oldv, ret = rng.normal(size=n), rng.normal(size=n)
+    values = oldv + rng.normal(0, 0.4, n)
+    args = (0.2, 0.2, 0.5, 17)
+    _, d_logp, d_v, _ = ppo_token_loss(logp, old, adv, values, oldv, ret, *args)
+    f_lp = lambda x: ppo_token_loss(x, old, adv, values, oldv, ret, *args)[0]   # noqa: E731
+    f_v = lambda x: ppo_token_loss(logp, old, adv, x, oldv, ret, *args)[0]      # noqa: E731
+    np.testing.assert_allclose(d_logp, numeric_grad(f_lp, logp.copy()), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(d_v, numeric_grad(f_v, values.copy()), rtol=1e-4, atol=1e-6)

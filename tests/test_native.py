@@ -271,3 +271,39 @@ def test_missing_default_model_says_how_to_fetch(tmp_path):
     out = subprocess.run([sys.executable, "-m", "retrograd.cli", "inspect"], capture_output=True, text=True,
                          env={**os.environ, "RETROGRAD_CACHE": str(tmp_path)})
     assert out.returncode == 1 and "scripts/fetch_models.py" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_hidden_state_gradient_reaches_the_adapter(tiny):
+    """A loss on the final hidden states (a value head) backpropagates into the LoRA tensors."""
+    tr = Trainable(tiny("llama", n_embd=32, n_ff=48), LoraSpec(4, 8.0), threads=THREADS)
+    tr.engine.set_exact_ops(True)
+    rng = np.random.default_rng(2)
+    for t in tr.lora.tensors:
+        tr.lora.write(t.index, rng.standard_normal(t.shape).astype(np.float32) * 0.3)
+    toks = rng.integers(0, 256, 12).astype(np.int32)
+    batch = native.Batch.next_token(toks)
+    u = rng.standard_normal(32)
+
+    def value_loss():
+        h = tr.logprobs(batch, hidden=True).hidden.astype(np.float64)
+        return float((h @ u).sum())
+
+    def fn(inp):
+        g = np.tile(u.astype(np.float32), (inp.hidden.shape[0], 1))
+        return native.LossOutputs(np.zeros(len(inp.logp), np.float32), g)
+
+    tr.lora.zero(native.SLOT_GRAD)
+    tr.accumulate(batch, fn, hidden=True)
+    t = tr.lora.index["blk.1.attn_v.weight.lora_b"]
+    g = tr.lora.read(t.index, native.SLOT_GRAD).ravel()
+    w = tr.lora.read(t.index)
+    for i in np.argsort(-np.abs(g))[:3]:
+        x = w.copy().ravel()
+        x[i] += 5e-3
+        tr.lora.write(t.index, x.reshape(w.shape))
+        up = value_loss()
+        x[i] -= 1e-2
+        tr.lora.write(t.index, x.reshape(w.shape))
+        down = value_loss()
+        tr.lora.write(t.index, w)
+        assert (up - down) / 1e-2 == pytest.approx(g[i], rel=2e-2)

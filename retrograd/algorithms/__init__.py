@@ -47,4 +47,7 @@ def recipe_for(name: str):
     if name == "grpo":
         from retrograd.algorithms.grpo import GRPO
         return GRPO
+    if name == "ppo":
+        from retrograd.algorithms.ppo import PPO
+        return PPO
     raise ValueError(f"algorithm {name!r} is not built yet")

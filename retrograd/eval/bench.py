@@ -90,9 +90,11 @@ def run_rewards(args: argparse.Namespace, cfg) -> int:
     from retrograd.generation.llama import Generator
     from retrograd.trainer import resolve_model, resolve_threads
 
-    g = cfg.grpo
+    section = cfg.run.algorithm
+    g = getattr(cfg, section)
+    n = g.group_size if section == "grpo" else g.bench_samples
     base = cfg.source.parent if cfg.source else Path.cwd()
-    rewards = rw.build(g.rewards, base, "grpo")
+    rewards = rw.build(g.rewards, base, section)
     model = resolve_model(cfg)
     tok = tok_mod.load(str(model))
     chat = chat_mod.format_for(tok, cfg.model.chat_template)
@@ -104,22 +106,22 @@ def run_rewards(args: argparse.Namespace, cfg) -> int:
         raise ConfigError(f"{cfg.source}: no evaluation prompts: pass --data or set [evaluation].data")
     prompts, _ = load_prompts(path, tok, chat, max_tokens=g.max_prompt_tokens, skip_bad=cfg.data.skip_bad_lines)
     prompts = prompts[: args.limit or len(prompts)]
-    gen = Generator(model, n_ctx=min(cfg.model.ctx, g.max_prompt_tokens + g.max_new_tokens + 8), n_seq=g.group_size,
+    gen = Generator(model, n_ctx=min(cfg.model.ctx, g.max_prompt_tokens + g.max_new_tokens + 8), n_seq=n,
                     threads=resolve_threads(cfg), device=cfg.model.device)
-    kw = dict(n=g.group_size, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+    kw = dict(n=n, temperature=g.temperature, top_p=g.top_p, top_k=getattr(g, "top_k", 0),
               max_new_tokens=g.max_new_tokens, stop=tuple(g.stop), seed=cfg.run.seed, on_error=g.reward_errors)
     results = {"base": sample_rewards(gen, prompts, rewards, **kw)}
     if args.adapter:
         gen.load_adapter(Path(args.adapter).resolve())
         results["adapter"] = sample_rewards(gen, prompts, rewards, **kw)
     report = {"algorithm": cfg.run.algorithm, "model": str(model), "data": str(path), "prompts": len(prompts),
-              "samples_per_prompt": g.group_size, "temperature": g.temperature,
+              "samples_per_prompt": n, "temperature": g.temperature,
               "adapter": str(Path(args.adapter).resolve()) if args.adapter else None, "results": results}
     fmt = args.format if args.format != "auto" else ("text" if sys.stdout.isatty() else "jsonl")
     if fmt == "jsonl":
         print(json.dumps(report))
         return 0
-    print(f"{len(prompts)} prompts x {g.group_size} samples (temperature {g.temperature}) from {path}")
+    print(f"{len(prompts)} prompts x {n} samples (temperature {g.temperature}) from {path}")
     keys = ["reward_mean", "reward_std", "reward_p10", "reward_p50", "reward_p90", "completion_len"]
     keys += [k for k in results["base"] if k.startswith("pass/")]
     print(f"{'':<22}" + "".join(f"{name:>12}" for name in results))
