@@ -185,11 +185,11 @@ class PPO:
             flat = np.concatenate(adv)
             mu, sd = flat.mean(), flat.std() + 1e-8
             adv = [(a - mu) / sd for a in adv]
-        stats = {"reward_mean": float(np.mean(scores)) if scores else 0.0, "reward_std": float(np.std(scores)) if scores else 0.0,
-                 "kl": float(np.mean(kls)) if kls else 0.0, "completion_len": float(np.mean(lengths)) if lengths else 0.0,
-                 "gen_s": time.monotonic() - t0}
+        mean = lambda xs: float(np.mean(xs)) if len(xs) else 0.0   # noqa: E731
+        stats = {"reward_mean": mean(scores), "reward_std": float(np.std(scores)) if scores else 0.0,
+                 "kl": mean(kls), "completion_len": mean(lengths), "gen_s": time.monotonic() - t0}
         for k, v in per.items():
-            stats[f"reward/{k}"] = float(np.mean(v)) if v else 0.0
+            stats[f"reward/{k}"] = mean(v)
         return PPORollout(examples, adv, rets, logp, values, stats)
 
     def next_step(self) -> StepWork:
