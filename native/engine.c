@@ -15,6 +15,8 @@
 #include "rg_internal.h"
 
 #include <math.h>
+
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -128,24 +130,27 @@ static void pad_batch(const rg_batch * in, rg_padded * out) {
     const int T = in->n_tokens;
     const int Tp = (T + RG_PAD_TOKENS - 1) / RG_PAD_TOKENS * RG_PAD_TOKENS;
     if (Tp == T) return;
-    out->owned = malloc(sizeof(int32_t) * 3 * (size_t) Tp);
-    int32_t * tok = out->owned, * pos = tok + Tp, * seq = pos + Tp;
+    out->owned = malloc(sizeof(int32_t) * 4 * (size_t) Tp);
+    int32_t * tok = out->owned, * pos = tok + Tp, * seq = pos + Tp, * pre = seq + Tp;
     int32_t min_seq = 0;
     for (int i = 0; i < T; i++) {
         tok[i] = in->tokens[i];
         pos[i] = in->positions[i];
         seq[i] = in->seq_ids[i];
+        pre[i] = in->prefix_ids ? in->prefix_ids[i] : INT32_MIN;
         if (seq[i] < min_seq) min_seq = seq[i];
     }
     for (int i = T; i < Tp; i++) {
         tok[i] = 0;
         pos[i] = 0;
         seq[i] = min_seq - 1 - (i - T);
+        pre[i] = INT32_MIN;
     }
     out->b.n_tokens = Tp;
     out->b.tokens = tok;
     out->b.positions = pos;
     out->b.seq_ids = seq;
+    out->b.prefix_ids = pre;
 }
 
 /* ---- graph building ------------------------------------------------------------------------ */
@@ -344,8 +349,9 @@ static float * hidden_to_host(struct ggml_tensor * hidden, float ** owned) {
 }
 
 /* ---- forward only ---------------------------------------------------------------------------- */
-rg_status rg_engine_forward(rg_engine * e, rg_lora * lora, const rg_batch * batch,
-                            float * logp_out, float * entropy_out, float * hidden_out) {
+/* The trunk, then either the targets' log-probs (topk == 0) or each target row's top-k. */
+static rg_status forward_impl(rg_engine * e, rg_lora * lora, const rg_batch * batch, float * logp_out,
+                              float * entropy_out, float * hidden_out, int topk, int32_t * topk_ids) {
     rg_status st = check_batch(e->model, batch);
     if (st) return st;
     const int32_t n_real = batch->n_tokens;
@@ -364,7 +370,8 @@ rg_status rg_engine_forward(rg_engine * e, rg_lora * lora, const rg_batch * batc
         e->timings.forward_ms += rg_now_ms() - t0;
     }
     if (st == RG_OK && batch->n_targets > 0) {
-        st = rg_head_forward(e->head, o.b.hidden, batch, logp_out, entropy_out, false, 0);
+        st = topk > 0 ? rg_head_topk(e->head, o.b.hidden, batch, topk, topk_ids, logp_out)
+                      : rg_head_forward(e->head, o.b.hidden, batch, logp_out, entropy_out, false, 0);
         e->timings.head_ms += rg_head_ms(e->head, true);
     }
     if (st == RG_OK && hidden_out) {
@@ -374,6 +381,17 @@ rg_status rg_engine_forward(rg_engine * e, rg_lora * lora, const rg_batch * batc
     ggml_free(o.ctx);
     free(pb.owned);
     return st;
+}
+
+rg_status rg_engine_forward(rg_engine * e, rg_lora * lora, const rg_batch * batch,
+                            float * logp_out, float * entropy_out, float * hidden_out) {
+    return forward_impl(e, lora, batch, logp_out, entropy_out, hidden_out, 0, NULL);
+}
+
+rg_status rg_engine_topk(rg_engine * e, rg_lora * lora, const rg_batch * batch, int k,
+                         int32_t * ids_out, float * logp_out) {
+    if (k < 1) return rg_fail(RG_ERR_ARG, "top-k: k must be >= 1, got %d", k);
+    return forward_impl(e, lora, batch, logp_out, NULL, NULL, k, ids_out);
 }
 
 /* ---- training micro-batch --------------------------------------------------------------------- */

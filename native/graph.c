@@ -199,8 +199,9 @@ void rg_fill_masks(const rg_hparams * hp, const rg_batch * batch, float * mask, 
         float * row = mask + (size_t) i * T;
         float * row_swa = mask_swa ? mask_swa + (size_t) i * T : NULL;
         for (int j = 0; j < T; j++) {       /* key column */
-            const bool visible = batch->seq_ids[j] == batch->seq_ids[i] &&
-                                 batch->positions[j] <= batch->positions[i];
+            const bool same = batch->seq_ids[j] == batch->seq_ids[i] ||
+                              (batch->prefix_ids && batch->seq_ids[j] == batch->prefix_ids[i]);
+            const bool visible = same && batch->positions[j] <= batch->positions[i];
             row[j] = visible ? 0.0f : -INFINITY;
             if (row_swa) {
                 const bool in_window = batch->positions[i] - batch->positions[j] < hp->n_swa;

@@ -359,3 +359,76 @@ rg_status rg_head_backward(rg_head * h, struct ggml_tensor * hidden, struct ggml
     h->ms += rg_now_ms() - t0;
     return st;
 }
+
+/* ---- top-k ---------------------------------------------------------------------------------- */
+/* The k largest of row[0..V) by value, best first, into ids/vals (insertion into a sorted list:
+ * after the first few hundred entries almost every value fails the first comparison). */
+static void row_topk(const float * row, int V, int k, int32_t * ids, float * vals) {
+    int n = 0;
+    for (int v = 0; v < V; v++) {
+        const float x = row[v];
+        if (n == k && x <= vals[k - 1]) continue;
+        int i = n < k ? n++ : k - 1;
+        while (i > 0 && vals[i - 1] < x) {
+            vals[i] = vals[i - 1];
+            ids[i] = ids[i - 1];
+            i--;
+        }
+        vals[i] = x;
+        ids[i] = v;
+    }
+}
+
+rg_status rg_head_topk(rg_head * h, struct ggml_tensor * hidden, const rg_batch * batch, int k,
+                       int32_t * ids_out, float * logp_out) {
+    const double t0 = rg_now_ms();
+    rg_status st = select_rows(h, batch);
+    if (st) return st;
+    const int V = h->model->hp.n_vocab;
+    const int K = batch->n_targets;
+    if (k < 1 || k > V) return rg_fail(RG_ERR_ARG, "top-k: k = %d outside 1..%d", k, V);
+    h->store_valid = false;
+    float * host = malloc(sizeof(float) * (size_t) V * (size_t) h->chunk);
+    int32_t * rid = malloc(sizeof(int32_t) * (size_t) k * (size_t) (h->n_rows > 0 ? h->n_rows : 1));
+    float * rlp = malloc(sizeof(float) * (size_t) k * (size_t) (h->n_rows > 0 ? h->n_rows : 1));
+    for (int c0 = 0; c0 < h->n_rows && st == RG_OK; c0 += h->chunk) {
+        const int n = h->n_rows - c0 < h->chunk ? h->n_rows - c0 : h->chunk;
+        struct ggml_context * ctx = new_ctx();
+        struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, HEAD_MAX_NODES, false);
+        struct ggml_tensor * idx;
+        struct ggml_tensor * logits = chunk_logits(h, ctx, hidden, &idx, n);
+        ggml_set_output(logits);
+        ggml_build_forward_expand(gf, logits);
+        st = compute(h, gf);
+        if (st == RG_OK) {
+            ggml_backend_tensor_set(idx, h->rows + c0, 0, sizeof(int32_t) * (size_t) n);
+            st = run(h, gf);
+        }
+        if (st == RG_OK) {
+            ggml_backend_tensor_get(logits, host, 0, sizeof(float) * (size_t) V * (size_t) n);
+            for (int j = 0; j < n; j++) {
+                const float * row = host + (size_t) j * V;
+                int32_t * ids = rid + (size_t) (c0 + j) * k;
+                float * vals = rlp + (size_t) (c0 + j) * k;
+                row_topk(row, V, k, ids, vals);
+                double sum = 0.0;
+                for (int v = 0; v < V; v++) sum += exp((double) row[v] - vals[0]);
+                const float lse = vals[0] + (float) log(sum);
+                for (int i = 0; i < k; i++) vals[i] -= lse;
+            }
+        }
+        ggml_free(ctx);
+    }
+    if (st == RG_OK) {
+        for (int t = 0; t < K; t++) {
+            const int col = h->col_of_target[t];
+            memcpy(ids_out + (size_t) t * k, rid + (size_t) col * k, sizeof(int32_t) * (size_t) k);
+            memcpy(logp_out + (size_t) t * k, rlp + (size_t) col * k, sizeof(float) * (size_t) k);
+        }
+    }
+    free(host);
+    free(rid);
+    free(rlp);
+    h->ms += rg_now_ms() - t0;
+    return st;
+}

@@ -116,14 +116,17 @@ rg_status rg_lora_zero(rg_lora * lora, int slot);
 float     rg_lora_scale(const rg_lora * lora);
 
 /* ---- batches ------------------------------------------------------------------------------ */
-/* One micro-batch: n_tokens tokens of one or more packed sequences. Tokens with different
- * seq_ids never attend to each other; positions restart per sequence. A target (row r, id y)
- * asks for log p(y | tokens of row r's sequence up to and including row r). */
+/* One micro-batch: n_tokens tokens of one or more packed sequences. Row i attends to the rows j
+ * with positions[j] <= positions[i] whose seq_ids[j] is seq_ids[i] or, when prefix_ids is given,
+ * prefix_ids[i]: several continuations can share one copy of their prompt (give the prompt rows a
+ * seq id of their own and the continuations that id as prefix, positions continuing the prompt's).
+ * A target (row r, id y) asks for log p(y | what row r sees, up to and including row r). */
 typedef struct {
     int32_t         n_tokens;
     const int32_t * tokens;
     const int32_t * positions;
     const int32_t * seq_ids;
+    const int32_t * prefix_ids;   /* may be NULL */
     int32_t         n_targets;
     const int32_t * target_rows;
     const int32_t * target_ids;
@@ -171,6 +174,11 @@ void      rg_engine_set_head_budget(rg_engine * engine, size_t bytes);
  * and hidden_out may be NULL. */
 rg_status rg_engine_forward(rg_engine * engine, rg_lora * lora, const rg_batch * batch,
                             float * logp_out, float * entropy_out, float * hidden_out);
+/* Forward only: for each target's row (the target ids are not used), the k most likely next
+ * tokens, best first: ids_out and logp_out hold n_targets * k entries. For distillation
+ * teachers and top-1 agreement. */
+rg_status rg_engine_topk(rg_engine * engine, rg_lora * lora, const rg_batch * batch, int k,
+                         int32_t * ids_out, float * logp_out);
 /* Forward, head, callback, backward: adds the gradient of sum(coeff * logp) (plus whatever the
  * callback put in hidden_grad) to the lora's GRAD slot. want_hidden passes hidden states. */
 rg_status rg_engine_accumulate(rg_engine * engine, rg_lora * lora, const rg_batch * batch,

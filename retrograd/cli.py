@@ -10,7 +10,6 @@ COMMON = "Paths on the command line resolve against the current directory; paths
          "resolve against the file's directory."
 
 NOT_BUILT = {
-    "distill-teacher": "offline distillation top-k files (issue 6)",
     "tools": "the agentic tool catalog (agentic GRPO)",
     "scenarios": "scenario generation (agentic GRPO)",
     "judge": "judge evaluation (agentic GRPO)",
@@ -30,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="retrograd",
         description="Fine-tune quantized GGUF language models on the hardware you have: LoRA adapters trained "
-                    "directly on the quantized weights, with SFT (and more algorithms to come), evaluation and chat.",
+                    "directly on the quantized weights, with SFT, GRPO, PPO, distillation and preference training "
+                    "(DPO, IPO, SimPO, ORPO), evaluation, chat and an OpenAI-compatible server.",
         epilog=COMMON + " Environment: RETRO_THREADS overrides training.threads; RETRO_REQUIRE_GPU_RESIDENT=1 equals "
                         "training.require_gpu_resident; RETRO_LOG / RUST_LOG set the log level (default warn).")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
@@ -43,9 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from this checkpoint, or from the latest one when no path is given")
 
     p = sub.add_parser("bench", help="evaluate the base model (and an adapter) without training",
-                       description="Evaluate without training: loss and perplexity on the trained tokens (sft). "
-                                   "Without --adapter it measures the base model; with it, base and adapter on "
-                                   "the same examples.")
+                       description="Evaluate without training. sft: loss and perplexity on the trained tokens; "
+                                   "grpo/ppo: the reward distribution of sampled answers; distill: KL to the teacher, "
+                                   "top-1 agreement and perplexity (loads the teacher); preference and agent_grpo: not "
+                                   "supported. Without --adapter it measures the base model; with it, base and adapter "
+                                   "on the same examples.")
     _common(p)
     p.add_argument("--data", metavar="FILE", help="evaluation data (default: [evaluation].data or the held-out split)")
     p.add_argument("--adapter", metavar="ADAPTER.gguf", help="also measure this adapter")
@@ -87,6 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", metavar="KEY", help="require Authorization: Bearer KEY")
     p.add_argument("--model-name", metavar="NAME", help="model id (default: the adapter's file name)")
+
+    p = sub.add_parser("distill-teacher", help="write the teacher's top-k predictions for offline distillation",
+                       description="Run the teacher over the data once and write its top-k next-token ids and "
+                                   "log-probs for every trained position to FILE.topk (written as FILE.topk.tmp and "
+                                   "renamed when complete). Set [distill].teacher_file to it and training never loads "
+                                   "the teacher. --model names the teacher here (default [distill].teacher, else the "
+                                   "embedded default model).")
+    _common(p)
+    p.add_argument("--data", metavar="FILE", help="data to score (default [data].train)")
+    p.add_argument("--out", metavar="FILE.topk",
+                   help="output (default [distill].teacher_file, else the data file's name with .topk)")
+    p.add_argument("--k", type=int, metavar="N", help="tokens per position (default [distill].k)")
+    p.add_argument("--ctx", type=int, metavar="N", help="longest sequence (overrides [model].ctx)")
 
     p = sub.add_parser("inspect", help="architecture, tensor types, LoRA targets and device of a GGUF",
                        description="Print the model's architecture, tensor types, suggested LoRA targets and the "

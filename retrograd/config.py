@@ -22,7 +22,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ALGORITHMS = ("sft", "grpo", "ppo", "distill", "preference", "agent_grpo")
-BUILT_ALGORITHMS = ("sft", "grpo", "ppo")
+BUILT_ALGORITHMS = ("sft", "grpo", "ppo", "distill", "preference")
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
@@ -157,6 +157,29 @@ class PpoSection:
 
 
 @dataclass
+class DistillSection:
+    teacher: Path | None = opt(None, "teacher GGUF with the student's vocabulary, forward passes only "
+                                     "(default: the embedded default model)", path=True)
+    teacher_file: Path | None = opt(None, "offline top-k file written by `retrograd distill-teacher` for [data].train; "
+                                          "the teacher is then never loaded", path=True)
+    eval_teacher_file: Path | None = opt(None, "offline top-k file for [evaluation].data (offline mode)", path=True)
+    k: int = opt(32, "teacher tokens per position the loss covers", min=1, max=1024)
+    temperature: float = opt(1.0, "distillation temperature (loss scaled by T^2)", min=0.05, max=20.0)
+    divergence: str = opt("forward_kl", "forward_kl, reverse_kl or jsd", choices=("forward_kl", "reverse_kl", "jsd"))
+    ce_weight: float = opt(0.0, "weight of the cross-entropy on the data's own tokens, added to the divergence",
+                           min=0.0)
+
+
+@dataclass
+class PreferenceSection:
+    loss: str = opt("dpo", "dpo, ipo, simpo (no reference) or orpo (no reference)",
+                    choices=("dpo", "ipo", "simpo", "orpo"))
+    beta: float = opt(0.1, "strength of the preference (dpo/ipo: KL-regularisation; simpo: reward scale)", min=1e-6)
+    simpo_gamma: float = opt(0.5, "SimPO target reward margin", min=0.0)
+    orpo_lambda: float = opt(0.1, "ORPO weight of the odds-ratio term beside the chosen NLL", min=0.0)
+
+
+@dataclass
 class ServingSection:
     enabled: bool = opt(False, "let retrograd-server serve this run's live weights while it trains")
     idle_seconds: int = opt(300, "unload a served model after this many idle seconds", min=1)
@@ -176,6 +199,8 @@ class Config:
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     grpo: GrpoSection = field(default_factory=GrpoSection)
     ppo: PpoSection = field(default_factory=PpoSection)
+    distill: DistillSection = field(default_factory=DistillSection)
+    preference: PreferenceSection = field(default_factory=PreferenceSection)
     serving: ServingSection = field(default_factory=ServingSection)
     source: Path | None = None      # the TOML file, when there is one
 
@@ -294,11 +319,15 @@ def load(path: Path) -> Config:
     return from_dict(raw, path.resolve())
 
 
-def check_paths(cfg: Config) -> None:
-    """Files the run will read must exist (checked once everything is resolved)."""
+def check_paths(cfg: Config, skip: tuple[str, ...] = ()) -> None:
+    """Files the run will read must exist (checked once everything is resolved); `skip` names
+    "section.key" entries a command writes instead of reads."""
     label = str(cfg.source) if cfg.source else "<config>"
-    for sec, key in (("model", "path"), ("lora", "init_adapter"), ("data", "train"), ("evaluation", "data")):
+    for sec, key in (("model", "path"), ("lora", "init_adapter"), ("data", "train"), ("evaluation", "data"),
+                     ("distill", "teacher"), ("distill", "teacher_file"), ("distill", "eval_teacher_file")):
         p = getattr(getattr(cfg, sec), key)
+        if f"{sec}.{key}" in skip:
+            continue
         if p is not None and not Path(p).is_file():
             raise ConfigError(f"{label}: [{sec}].{key}: file not found: {p}")
 

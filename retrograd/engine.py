@@ -95,3 +95,24 @@ class Trainable:
         self.lora.close()
         self.engine.close()
         self.model.close()
+
+
+class Teacher:
+    """A second GGUF for forward passes only (distillation): the k most likely next tokens at the
+    rows of a batch. No adapter, no gradients; its weights stay quantized like the student's."""
+
+    def __init__(self, model_path: str | os.PathLike, *, device: str = "auto", threads: int | None = None) -> None:
+        self.model_path = Path(model_path)
+        self.model = native.Model(self.model_path, device=device, threads=threads)
+        self.engine = native.Engine(self.model)
+
+    @property
+    def info(self) -> native.ModelInfo:
+        return self.model.info
+
+    def topk(self, batch: Batch, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.engine.topk(None, batch, k)
+
+    def close(self) -> None:
+        self.engine.close()
+        self.model.close()

@@ -268,11 +268,16 @@ class Batch:
     seq_ids: np.ndarray
     target_rows: np.ndarray
     target_ids: np.ndarray
+    prefix_ids: np.ndarray | None = None   # per row: another sequence whose rows it also sees
 
     def __post_init__(self) -> None:
         for f in ("tokens", "positions", "seq_ids", "target_rows", "target_ids"):
             setattr(self, f, np.ascontiguousarray(getattr(self, f), dtype=np.int32))
         n = len(self.tokens)
+        if self.prefix_ids is not None:
+            self.prefix_ids = np.ascontiguousarray(self.prefix_ids, dtype=np.int32)
+            if len(self.prefix_ids) != n:
+                raise ValueError("prefix_ids must have one entry per token")
         if len(self.positions) != n or len(self.seq_ids) != n:
             raise ValueError("tokens, positions and seq_ids must have the same length")
         if len(self.target_rows) != len(self.target_ids):
@@ -307,6 +312,7 @@ class Batch:
         c.tokens = _ptr(self.tokens, "int32_t *")
         c.positions = _ptr(self.positions, "int32_t *")
         c.seq_ids = _ptr(self.seq_ids, "int32_t *")
+        c.prefix_ids = _ptr(self.prefix_ids, "int32_t *") if self.prefix_ids is not None else ffi.NULL
         c.n_targets = self.n_targets
         c.target_rows = _ptr(self.target_rows, "int32_t *")
         c.target_ids = _ptr(self.target_ids, "int32_t *")
@@ -413,6 +419,16 @@ class Engine:
             _ptr(ent, "float *") if ent is not None and k else ffi.NULL,
             _ptr(hid, "float *") if hid is not None else ffi.NULL))
         return LossInputs(logp, ent, hid)
+
+    def topk(self, lora: Lora | None, batch: Batch, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """For each target's row, the k most likely next tokens: ids [n_targets, k] int32 and
+        their log-probs [n_targets, k] float32, best first (the target ids are not used)."""
+        n = batch.n_targets
+        ids = np.zeros((max(n, 1), k), np.int32)
+        lp = np.zeros((max(n, 1), k), np.float32)
+        _check(lib.rg_engine_topk(self._ptr, lora._ptr if lora is not None else ffi.NULL, batch._c(), k,
+                                  _ptr(ids, "int32_t *"), _ptr(lp, "float *")))
+        return ids[:n], lp[:n]
 
     def accumulate(self, lora: Lora, batch: Batch, fn: CoeffFn, entropy: bool = False,
                    hidden: bool = False) -> np.ndarray:

@@ -24,8 +24,10 @@ def fmt_duration(seconds: float) -> str:
 class Progress:
     """step/total, the given metrics, tokens/s and ETA on one line."""
 
-    def __init__(self, total: int, start: int = 0, stream: TextIO | None = None, every: int = 1) -> None:
+    def __init__(self, total: int, start: int = 0, stream: TextIO | None = None, every: int = 1,
+                 label: str = "step") -> None:
         self.total = total
+        self.label = label
         self.start_step = start
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
@@ -42,7 +44,7 @@ class Progress:
         width = 24
         filled = int(width * step / max(self.total, 1))
         bar = "#" * filled + "-" * (width - filled)
-        parts = [f"step {step}/{self.total} [{bar}]"]
+        parts = [f"{self.label} {step}/{self.total} [{bar}]"]
         for k, v in metrics.items():
             parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
         parts += [f"{rate:.0f} tok/s", f"ETA {fmt_duration(eta)}"]

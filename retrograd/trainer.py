@@ -30,7 +30,8 @@ class TrainError(RuntimeError):
     pass
 
 
-CURVES = ["loss", "reward_mean", "eval_loss", "eval_reward", "kl", "grad_norm", "lr"]
+CURVES = ["loss", "reward_mean", "eval_loss", "eval_reward", "eval_top1", "eval_pref_accuracy", "reward_margin", "kl",
+          "grad_norm", "lr"]
 
 
 def plot_run(out: Path) -> Path | None:
@@ -86,7 +87,7 @@ def open_model(cfg: Config, *, need_data: bool = True) -> RunContext:
     ctx = RunContext(cfg, run_dir(cfg), trainable, tok, chat)
     if chat.origin.startswith("fallback"):
         ctx.notes.append(f"{model_path.name} has no chat template; using the built-in {chat.origin[9:]} format")
-    if need_data and cfg.run.algorithm == "sft":     # RL recipes read their prompts themselves
+    if need_data and cfg.run.algorithm in ("sft", "distill"):   # the others read prompts or pairs themselves
         load_data(ctx)
     return ctx
 

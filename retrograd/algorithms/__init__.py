@@ -50,4 +50,10 @@ def recipe_for(name: str):
     if name == "ppo":
         from retrograd.algorithms.ppo import PPO
         return PPO
+    if name == "distill":
+        from retrograd.algorithms.distill import Distill
+        return Distill
+    if name == "preference":
+        from retrograd.algorithms.preference import Preference
+        return Preference
     raise ValueError(f"algorithm {name!r} is not built yet")

@@ -14,8 +14,7 @@ import numpy as np
 from retrograd.algorithms import MicroBatch, StepWork
 from retrograd.algorithms import rewards as rw
 from retrograd.algorithms.pg_losses import PGBatch, PGConfig, group_advantages, policy_loss
-from retrograd.data.batching import Cursor, ExampleStream, pack, split_holdout, to_batch
-from retrograd.data.formats import Example
+from retrograd.data.batching import Cursor, ExampleStream, Group, group_batch, pack_groups, split_holdout
 from retrograd.data.prompts import load_prompts
 from retrograd.eval.rewards import sample_rewards
 from retrograd.generation.llama import Generator, SamplingParams
@@ -24,9 +23,10 @@ from retrograd.native import LossInputs, LossOutputs
 
 @dataclass
 class Rollout:
-    """Sequences of one batch of groups, reusable for num_iterations updates."""
+    """One batch of groups (prompt + completions), reusable for num_iterations updates. Per
+    completion, in group order: advantage, length, llama.cpp's sampling log-probs."""
 
-    examples: list[Example]
+    groups: list[Group]
     adv: np.ndarray
     lengths: np.ndarray
     sample_logp: list[np.ndarray]
@@ -68,7 +68,7 @@ class GRPO:
         cfg, g = self.run.cfg, self.run.cfg.grpo
         t0 = time.monotonic()
         self.gen.set_adapter(self.run.trainable.adapter_bytes())
-        examples, adv, lengths, slogp, groups, rewards = [], [], [], [], [], []
+        groups_out, lengths, slogp, groups, rewards = [], [], [], [], []
         per: dict[str, list[float]] = {r.name: [] for r in self.rewards}
         zero, errors = 0, 0
         for pi, prompt in enumerate(self.stream.take(n=g.prompts_per_step)):
@@ -83,19 +83,19 @@ class GRPO:
             errors += sc.errors
             for k, v in sc.per_fn.items():
                 per[k] += v
+            comps = []
             for o, r in zip(outs, sc.total):
                 comp = list(o.tokens) + ([o.end_token] if o.end_token is not None else [])
                 lp = list(o.logprobs) + ([o.end_logprob] if o.end_token is not None else [])
                 if not comp:      # nothing generated (immediate stop at the context limit): nothing to learn
                     continue
-                toks = np.concatenate([prompt.tokens, np.asarray(comp, np.int32)])
-                trained = np.zeros(len(toks), bool)
-                trained[len(prompt.tokens):] = True
-                examples.append(Example(toks, trained, prompt.line))
+                comps.append(np.asarray(comp, np.int32))
                 lengths.append(len(comp))
                 slogp.append(np.asarray(lp, np.float64))
                 groups.append(pi)
                 rewards.append(r)
+            if comps:
+                groups_out.append(Group(prompt.tokens, comps))
         self.rollout_index += 1
         r = np.asarray(rewards, np.float64)
         adv = group_advantages(r, np.asarray(groups), scale=g.scale_rewards and g.loss != "dr_grpo")
@@ -106,7 +106,7 @@ class GRPO:
             stats["reward_errors"] = float(errors)
         for k, v in per.items():
             stats[f"reward/{k}"] = float(np.mean(v)) if v else 0.0
-        return Rollout(examples, adv, np.asarray(lengths, np.float64), slogp, stats=stats)
+        return Rollout(groups_out, adv, np.asarray(lengths, np.float64), slogp, stats=stats)
 
     # ---- the step ------------------------------------------------------------------------------
     def next_step(self) -> StepWork:
@@ -115,17 +115,19 @@ class GRPO:
             self.current, self.iteration = self._rollout(), 0
         ro, first = self.current, self.iteration == 0
         self.iteration += 1
-        self.pg.n_seqs = max(1, len(ro.examples))
+        self.pg.n_seqs = max(1, len(ro.lengths))
         self.pg.n_tokens = max(1, int(ro.lengths.sum()))
         self.pg.lengths = ro.lengths
-        index = {id(e): i for i, e in enumerate(ro.examples)}
+        first_completion = np.cumsum([0] + [len(gr.completions) for gr in ro.groups])
         micro = []
         t_ref = time.monotonic()
-        for mi, group in enumerate(pack(ro.examples, t.micro_batch_tokens, self.run.cfg.data.packing)):
-            batch, owner = to_batch(group)
-            seq = np.asarray([index[id(group[o])] for o in owner], np.int64)
+        for mi, members in enumerate(pack_groups(ro.groups, t.micro_batch_tokens)):
+            batch, owner = group_batch([ro.groups[i] for i in members])
+            # owner counts completions within this micro-batch; map to the rollout's numbering
+            offsets = np.concatenate([np.arange(first_completion[i], first_completion[i + 1]) for i in members])
+            seq = offsets[owner]
             ref = self.run.trainable.logprobs(batch, adapter=False).logp if g.beta > 0 else None
-            sample = np.concatenate([ro.sample_logp[index[id(e)]] for e in group])
+            sample = np.concatenate([ro.sample_logp[i] for i in offsets])
 
             def loss(inp: LossInputs, mi=mi, seq=seq, ref=ref, sample=sample) -> tuple[LossOutputs, dict]:
                 logp = inp.logp.astype(np.float64)
@@ -145,7 +147,7 @@ class GRPO:
         info = dict(ro.stats) if first else {}
         if g.beta > 0:
             info["ref_s"] = time.monotonic() - t_ref
-        tokens = int(sum(len(e.tokens) for e in ro.examples))
+        tokens = int(sum(gr.n_tokens for gr in ro.groups))
         return StepWork(micro, tokens, info, finalize=_finalize)
 
     def estimate_steps(self) -> int:
@@ -173,8 +175,8 @@ class GRPO:
         ro = self.current
         if ro is not None and self.iteration < self.run.cfg.grpo.num_iterations:
             # between the updates of one batch of rollouts: keep the batch (JSON floats round-trip exactly)
-            state["rollout"] = {"tokens": [e.tokens.tolist() for e in ro.examples],
-                                "trained": [e.trained.tolist() for e in ro.examples],
+            state["rollout"] = {"prompts": [gr.prompt.tolist() for gr in ro.groups],
+                                "completions": [[c.tolist() for c in gr.completions] for gr in ro.groups],
                                 "adv": ro.adv.tolist(), "lengths": ro.lengths.tolist(),
                                 "sample_logp": [x.tolist() for x in ro.sample_logp],
                                 "old_logp": {str(k): v.tolist() for k, v in ro.old_logp.items()}}
@@ -189,8 +191,9 @@ class GRPO:
         self.iteration = int(state.get("iteration", 0))
         r = state.get("rollout")
         if r:
-            examples = [Example(np.asarray(t, np.int32), np.asarray(m, bool)) for t, m in zip(r["tokens"], r["trained"])]
-            self.current = Rollout(examples, np.asarray(r["adv"]), np.asarray(r["lengths"]),
+            groups = [Group(np.asarray(p, np.int32), [np.asarray(c, np.int32) for c in cs])
+                      for p, cs in zip(r["prompts"], r["completions"])]
+            self.current = Rollout(groups, np.asarray(r["adv"]), np.asarray(r["lengths"]),
                                    [np.asarray(x) for x in r["sample_logp"]],
                                    {int(k): np.asarray(v) for k, v in r["old_logp"].items()})
         else:

@@ -10,7 +10,7 @@ from pathlib import Path
 from retrograd.config import Config, ConfigError, check_paths, load
 
 
-def load_config(args: argparse.Namespace) -> Config:
+def load_config(args: argparse.Namespace, writes: tuple[str, ...] = ()) -> Config:
     """The TOML file with the common command-line overrides applied (CLI paths resolve against
     the current directory)."""
     cfg = load(Path(args.config))
@@ -22,16 +22,18 @@ def load_config(args: argparse.Namespace) -> Config:
         if args.ctx < 16:
             raise ConfigError(f"--ctx must be >= 16, got {args.ctx}")
         cfg.model.ctx = args.ctx
-    check_paths(cfg)
+    check_paths(cfg, skip=writes)
     return cfg
 
 
 def dispatch(args: argparse.Namespace) -> int:
     from retrograd.adapter import AdapterError
+    from retrograd.algorithms.distill import DistillError
     from retrograd.algorithms.rewards import RewardError
     from retrograd.checkpoint import CheckpointError
     from retrograd.data.chat import ChatTemplateError
     from retrograd.data.formats import DataError
+    from retrograd.data.topk_file import TopkFileError
     from retrograd.models import ModelNotFound
     from retrograd.native import NativeError
     from retrograd.trainer import TrainError
@@ -47,6 +49,8 @@ def dispatch(args: argparse.Namespace) -> int:
             from retrograd.commands import chat as cmd
         elif args.command == "serve":
             from retrograd.commands import serve as cmd
+        elif args.command == "distill-teacher":
+            from retrograd.commands import distill_teacher as cmd
         else:  # pragma: no cover - the parser knows every command
             raise SystemExit(f"unknown command {args.command}")
         return cmd.run(args)
@@ -57,7 +61,7 @@ def dispatch(args: argparse.Namespace) -> int:
         print(f"error: {getattr(args, 'config', '')}: {exc}", file=sys.stderr)
         return 2
     except (DataError, ModelNotFound, AdapterError, CheckpointError, ChatTemplateError, TrainError,
-            NativeError) as exc:
+            NativeError, DistillError, TopkFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -111,3 +111,64 @@ def to_batch(group: Sequence[Example]) -> tuple[Batch, np.ndarray]:
     batch = Batch(np.concatenate(toks), np.concatenate(pos), np.concatenate(seq),
                   np.concatenate(rows), np.concatenate(ids))
     return batch, np.concatenate(owner)
+
+
+@dataclass
+class Group:
+    """A prompt and several continuations of it, trained with one shared copy of the prompt."""
+
+    prompt: np.ndarray
+    completions: list[np.ndarray]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.prompt) + sum(len(c) for c in self.completions)
+
+
+def pack_groups(groups: Sequence[Group], budget: int) -> list[list[int]]:
+    """Indices of groups per micro-batch (first fit, in order; a group is never split)."""
+    bins: list[list[int]] = []
+    sizes: list[int] = []
+    for i, g in enumerate(groups):
+        for b, size in enumerate(sizes):
+            if size + g.n_tokens <= budget:
+                bins[b].append(i)
+                sizes[b] += g.n_tokens
+                break
+        else:
+            bins.append([i])
+            sizes.append(g.n_tokens)
+    return bins
+
+
+def group_batch(groups: Sequence[Group]) -> tuple[Batch, np.ndarray]:
+    """Rows: each prompt once, then its continuations seeing it as their prefix. Targets: every
+    continuation token (the first predicted from the prompt's last row). Returns the batch and, per
+    target, the index of its continuation counted over `groups` in order."""
+    toks, pos, seq, pre, rows, ids, owner = [], [], [], [], [], [], []
+    offset, sid, cidx = 0, 0, 0
+    none = np.iinfo(np.int32).min
+    for g in groups:
+        p = len(g.prompt)
+        toks.append(g.prompt)
+        pos.append(np.arange(p, dtype=np.int32))
+        seq.append(np.full(p, sid, np.int32))
+        pre.append(np.full(p, none, np.int32))
+        prompt_sid, prompt_last = sid, offset + p - 1
+        offset += p
+        sid += 1
+        for c in g.completions:
+            n = len(c)
+            toks.append(c)
+            pos.append(np.arange(p, p + n, dtype=np.int32))
+            seq.append(np.full(n, sid, np.int32))
+            pre.append(np.full(n, prompt_sid, np.int32))
+            rows.append(np.concatenate([[prompt_last], offset + np.arange(n - 1)]).astype(np.int32))
+            ids.append(c)
+            owner.append(np.full(n, cidx, np.int32))
+            offset += n
+            sid += 1
+            cidx += 1
+    batch = Batch(np.concatenate(toks), np.concatenate(pos), np.concatenate(seq), np.concatenate(rows),
+                  np.concatenate(ids), np.concatenate(pre))
+    return batch, np.concatenate(owner)

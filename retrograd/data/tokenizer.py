@@ -5,6 +5,7 @@ routing (quiet unless RETRO_LOG / RUST_LOG asks for more).
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import sys
 from functools import lru_cache
@@ -92,6 +93,17 @@ class Tokenizer:
 
     def token_text(self, token: int) -> str:
         return self.piece(token, True).decode("utf-8", "replace")
+
+    def vocab_sha256(self) -> str:
+        """Fingerprint of the vocabulary: sha256 over every token's raw text, in id order. Two models
+        can share distillation targets exactly when size and fingerprint agree."""
+        if getattr(self, "_vocab_sha", None) is None:
+            h = hashlib.sha256()
+            for t in range(self.n_vocab):
+                text = lc.llama_vocab_get_text(self._vocab, t) or b""
+                h.update(len(text).to_bytes(4, "little") + text)
+            self._vocab_sha = h.hexdigest()
+        return self._vocab_sha
 
     def close(self) -> None:
         if getattr(self, "_model", None):

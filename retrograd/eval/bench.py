@@ -1,5 +1,7 @@
-"""`retrograd bench`: evaluate without training. For sft, loss and perplexity on the trained tokens
-of the base model and, with --adapter, of the adapter on the same examples."""
+"""`retrograd bench`: evaluate without training, the base model and, with --adapter, the adapter on
+the same examples. sft: loss and perplexity on the trained tokens; distill: KL to the teacher on
+its top-k, top-1 agreement and perplexity (loads the teacher); grpo/ppo: reward distributions
+(run_rewards); preference and agent_grpo: not supported (a message says what to use instead)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 
 from retrograd.algorithms.sft import evaluate_nll
 from retrograd.commands import load_config
-from retrograd.config import ConfigError
+from retrograd.config import ConfigError, tomllib
 from retrograd.data.batching import split_holdout
 from retrograd.data.formats import DataError, load_examples
 from retrograd.trainer import open_model
@@ -41,11 +43,21 @@ def eval_examples(ctx, args):
     return examples, str(path)
 
 
+def _algorithm_of(path: str) -> str | None:
+    """[run].algorithm as written, read before validation (agent_grpo configurations do not load)."""
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh).get("run", {}).get("algorithm")
+    except (OSError, tomllib.TOMLDecodeError, AttributeError):
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args)
-    if cfg.run.algorithm in UNSUPPORTED:
-        print(UNSUPPORTED[cfg.run.algorithm], file=sys.stderr)
+    algorithm = _algorithm_of(args.config)
+    if algorithm in UNSUPPORTED:
+        print(UNSUPPORTED[algorithm], file=sys.stderr)
         return 2
+    cfg = load_config(args)
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
     if cfg.run.algorithm in ("grpo", "ppo"):
@@ -57,26 +69,41 @@ def run(args: argparse.Namespace) -> int:
     if not examples:
         raise DataError(f"{source}: no examples to evaluate")
     budget = cfg.training.micro_batch_tokens
-    results = {"base": evaluate_nll(ctx.trainable, examples, budget, adapter=False)}
+    if cfg.run.algorithm == "distill":
+        from retrograd.algorithms.distill import OnlineTeacher, evaluate_distill, load_teacher
+
+        teacher = OnlineTeacher(load_teacher(ctx), cfg.distill.k)
+
+        def measure(adapter: bool) -> dict:
+            return evaluate_distill(ctx.trainable, teacher, examples, budget, adapter=adapter)
+        columns = [("eval_kl", "KL to teacher"), ("eval_top1", "top-1 agree"), ("eval_ppl", "perplexity")]
+        extra = {"teacher": str(teacher.teacher.model_path), "k": cfg.distill.k}
+    else:
+        def measure(adapter: bool) -> dict:
+            return evaluate_nll(ctx.trainable, examples, budget, adapter=adapter)
+        columns = [("eval_loss", "loss"), ("eval_ppl", "perplexity")]
+        extra = {}
+    results = {"base": measure(False)}
     if args.adapter:
         ctx.trainable.load_adapter(Path(args.adapter).resolve())
-        results["adapter"] = evaluate_nll(ctx.trainable, examples, budget, adapter=True)
+        results["adapter"] = measure(True)
     report = {"algorithm": cfg.run.algorithm, "model": str(ctx.trainable.model_path), "data": source,
               "examples": len(examples), "adapter": str(Path(args.adapter).resolve()) if args.adapter else None,
-              "results": results}
+              **extra, "results": results}
     fmt = args.format
     if fmt == "auto":
         fmt = "text" if sys.stdout.isatty() else "jsonl"
     if fmt == "jsonl":
         print(json.dumps(report))
-    else:
-        print(f"{len(examples)} examples from {source}, {int(results['base']['eval_tokens'])} scored tokens")
-        print(f"{'':<10}{'loss':>10}{'perplexity':>12}")
-        for name, r in results.items():
-            print(f"{name:<10}{r['eval_loss']:>10.4f}{r['eval_ppl']:>12.3f}")
-        if "adapter" in results:
-            d = results["adapter"]["eval_loss"] - results["base"]["eval_loss"]
-            print(f"{'change':<10}{d:>+10.4f}")
+        return 0
+    print(f"{len(examples)} examples from {source}, {int(results['base']['eval_tokens'])} scored tokens"
+          + (f"; teacher {Path(extra['teacher']).name}, top-{extra['k']}" if extra else ""))
+    print(f"{'':<10}" + "".join(f"{label:>15}" for _, label in columns))
+    for name, r in results.items():
+        print(f"{name:<10}" + "".join(f"{r[key]:>15.4f}" for key, _ in columns))
+    if "adapter" in results:
+        print(f"{'change':<10}" + "".join(f"{results['adapter'][key] - results['base'][key]:>+15.4f}"
+                                          for key, _ in columns))
     return 0
 
 

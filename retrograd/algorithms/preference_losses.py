@@ -1,0 +1,98 @@
+"""Preference losses over pairs, as (loss, d(loss)/d(sequence log-prob)).
+
+Inputs per pair: the policy's summed log-probs of the chosen and rejected responses (pc, pr),
+their trained-token counts (nc, nr) and, for the losses that have one, the reference policy's
+sums (rc, rr; the base model, adapter off). With sigma the logistic function:
+
+  dpo    -log sigma(beta ((pc - rc) - (pr - rr)))                       Rafailov et al. 2023
+  ipo    (h - 1/(2 beta))^2, h = (pc - rc)/nc - (pr - rr)/nr            Azar et al. 2023, on the
+         per-token mean log-ratios (the sums make the target depend on the lengths)
+  simpo  -log sigma(beta (pc/nc - pr/nr) - gamma)                       Meng et al. 2024, no reference
+  orpo   -pc/nc + lam * -log sigma(lo_c - lo_r),                        Hong et al. 2024, no reference
+         lo = log(P / (1 - P)) with log P = p/n (mean log-prob)
+
+The loss is summed over pairs and divided by `norm`. Because every token of a response enters
+its sum with weight 1, d(loss)/d(token log-prob) is the sequence's coefficient for each of its
+tokens. `implicit_rewards` gives what evaluation reports as the reward margin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+LOSSES = ("dpo", "ipo", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+@dataclass
+class PairStats:
+    pc: np.ndarray
+    pr: np.ndarray
+    nc: np.ndarray
+    nr: np.ndarray
+    rc: np.ndarray | None = None
+    rr: np.ndarray | None = None
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return np.exp(-np.logaddexp(0.0, -x))
+
+
+def _log1mexp(x: np.ndarray) -> np.ndarray:
+    """log(1 - exp(x)) for x < 0, accurate near 0 and far below it."""
+    x = np.minimum(x, -1e-12)
+    return np.where(x > -np.log(2.0), np.log(-np.expm1(x)), np.log1p(-np.exp(x)))
+
+
+def preference_loss(s: PairStats, kind: str, beta: float, *, gamma: float = 0.5, lam: float = 0.1,
+                    norm: float = 1.0) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
+    """Returns (loss, d/d pc, d/d pr, per-pair loss)."""
+    if kind not in LOSSES:
+        raise ValueError(f"preference loss must be one of {', '.join(LOSSES)}, got {kind!r}")
+    pc, pr = s.pc.astype(np.float64), s.pr.astype(np.float64)
+    nc, nr = np.maximum(s.nc, 1).astype(np.float64), np.maximum(s.nr, 1).astype(np.float64)
+    if kind in ("dpo", "ipo") and (s.rc is None or s.rr is None):
+        raise ValueError(f"{kind} needs the reference log-probs")
+    if kind == "dpo":
+        z = beta * ((pc - s.rc) - (pr - s.rr))
+        per = np.logaddexp(0.0, -z)
+        d = -beta * _sigmoid(-z)
+        gc, gr = d, -d
+    elif kind == "ipo":
+        h = (pc - s.rc) / nc - (pr - s.rr) / nr
+        e = h - 1.0 / (2.0 * beta)
+        per = e * e
+        gc, gr = 2.0 * e / nc, -2.0 * e / nr
+    elif kind == "simpo":
+        z = beta * (pc / nc - pr / nr) - gamma
+        per = np.logaddexp(0.0, -z)
+        d = -beta * _sigmoid(-z)
+        gc, gr = d / nc, -d / nr
+    else:
+        mc, mr = pc / nc, pr / nr
+        lo_c, lo_r = mc - _log1mexp(mc), mr - _log1mexp(mr)
+        z = lo_c - lo_r
+        per = -mc + lam * np.logaddexp(0.0, -z)
+        d = -lam * _sigmoid(-z)
+        # d lo / d m = 1 / (1 - P)
+        gc = (-1.0 + d / -np.expm1(np.minimum(mc, -1e-12))) / nc
+        gr = (-d / -np.expm1(np.minimum(mr, -1e-12))) / nr
+    return float(per.sum() / norm), gc / norm, gr / norm, per
+
+
+def implicit_rewards(s: PairStats, kind: str, beta: float) -> tuple[np.ndarray, np.ndarray]:
+    """The rewards each loss implicitly assigns to chosen and rejected responses: beta times the
+    log-ratio to the reference (dpo), its per-token mean (ipo), beta times the mean log-prob
+    (simpo), the log-odds (orpo)."""
+    pc, pr = s.pc.astype(np.float64), s.pr.astype(np.float64)
+    nc, nr = np.maximum(s.nc, 1), np.maximum(s.nr, 1)
+    if kind == "dpo":
+        return beta * (pc - s.rc), beta * (pr - s.rr)
+    if kind == "ipo":
+        return (pc - s.rc) / nc, (pr - s.rr) / nr
+    if kind == "simpo":
+        return beta * pc / nc, beta * pr / nr
+    mc, mr = pc / nc, pr / nr
+    return mc - _log1mexp(mc), mr - _log1mexp(mr)

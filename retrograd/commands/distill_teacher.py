@@ -1,0 +1,64 @@
+"""`retrograd distill-teacher CONFIG [--data FILE] [--out FILE.topk] [--k N]`: run the teacher once
+over the data and write its top-k next tokens per trained position, so distillation can train
+from the file without loading the teacher (retrograd.data.topk_file has the format)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from retrograd.commands import load_config
+from retrograd.config import ConfigError
+from retrograd.data import chat as chat_mod
+from retrograd.data import tokenizer as tok_mod
+from retrograd.data.batching import pack, to_batch
+from retrograd.data.formats import load_examples
+from retrograd.data.topk_file import TopkWriter
+from retrograd.engine import Teacher
+from retrograd.models import default_model_path
+from retrograd.report import Progress
+from retrograd.trainer import resolve_threads
+
+
+def run(args: argparse.Namespace) -> int:
+    teacher_override = Path(args.model).resolve() if args.model else None
+    args.model = None                 # --model names the teacher here, not [model].path
+    cfg = load_config(args, writes=("distill.teacher_file", "distill.eval_teacher_file"))
+    d = cfg.distill
+    teacher_path = teacher_override or (Path(d.teacher) if d.teacher else default_model_path())
+    if not teacher_path.is_file():
+        raise ConfigError(f"teacher model not found: {teacher_path}")
+    data = Path(args.data).resolve() if args.data else (Path(cfg.data.train) if cfg.data.train else None)
+    if data is None:
+        raise ConfigError(f"{cfg.source}: no data: pass --data or set [data].train")
+    out = Path(args.out).resolve() if args.out else (Path(d.teacher_file) if d.teacher_file and not args.data
+                                                      else data.with_suffix(".topk"))
+    k = args.k if args.k is not None else d.k
+    if k < 1:
+        raise ConfigError(f"--k must be >= 1, got {k}")
+    tok = tok_mod.load(str(teacher_path))
+    chat = chat_mod.format_for(tok, cfg.model.chat_template)
+    max_length = min(cfg.data.max_length, cfg.model.ctx)
+    examples, report = load_examples(data, tok, chat, fmt=cfg.data.format, max_length=max_length,
+                                     skip_bad=cfg.data.skip_bad_lines)
+    teacher = Teacher(teacher_path, device=cfg.model.device, threads=resolve_threads(cfg))
+    header = {"teacher": teacher_path.name, "teacher_bytes": teacher_path.stat().st_size,
+              "n_vocab": tok.n_vocab, "vocab_sha256": tok.vocab_sha256(), "k": k, "data": str(data),
+              "max_length": max_length, "data_format": report.format}
+    progress = Progress(len(examples), label="examples")
+    progress.note(f"{teacher_path.name}: top-{k} of {len(examples)} examples from {data} ({report.summary()})")
+    done = positions = 0
+    with TopkWriter(out, header) as w:
+        for group in pack(examples, cfg.training.micro_batch_tokens, True):
+            batch, owner = to_batch(group)
+            ids, lp = teacher.topk(batch, k)
+            for s, ex in enumerate(group):
+                sel = owner == s
+                w.add(ex.line, ex.tokens, ids[sel], lp[sel])
+            done += len(group)
+            positions += batch.n_targets
+            progress.update(done, int(batch.n_tokens), {})
+    teacher.close()
+    size = out.stat().st_size
+    print(f"wrote {out}: {done} examples, {positions} positions x top-{k} ({size / 2**20:.1f} MiB)")
+    return 0

@@ -1,0 +1,137 @@
+"""Preference pairs from JSONL, tokenized as one shared prompt and two continuations.
+
+Accepted records (one per line):
+  {"prompt": "...", "chosen": "...", "rejected": "..."}                  strings: one user turn, one
+                                                                         assistant answer each
+  {"prompt": [messages], "chosen": "..." | [messages], "rejected": ...}  a conversation, then the
+                                                                         answers (strings or
+                                                                         assistant messages)
+  {"chosen": [messages], "rejected": [messages]}                         two whole conversations that
+                                                                         differ only after a shared start
+
+Both sides are rendered with the chat template; the tokens before the first trained (assistant)
+token are the shared prompt, which a micro-batch holds once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from retrograd.data.batching import Group
+from retrograd.data.chat import ChatFormat, ChatTemplateError
+from retrograd.data.formats import ROLES, DataError, LoadReport, tokenize_record
+
+
+@dataclass
+class Pair:
+    prompt: np.ndarray
+    chosen: np.ndarray
+    rejected: np.ndarray
+    chosen_w: np.ndarray       # 1 where a continuation token is trained (assistant text), else 0
+    rejected_w: np.ndarray
+    line: int
+    truncated: bool = False
+    ref: tuple[float, float] | None = None     # the reference policy's (chosen, rejected) sums, once known
+
+    @property
+    def tokens(self) -> np.ndarray:           # for token-budgeted batches
+        return np.concatenate([self.prompt, self.chosen, self.rejected])
+
+    @property
+    def group(self) -> Group:
+        return Group(self.prompt, [self.chosen, self.rejected])
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.prompt) + len(self.chosen) + len(self.rejected)
+
+
+def _messages(value, where: str, role: str | None = None) -> list[dict]:
+    if isinstance(value, str):
+        if not value:
+            raise ValueError(f'"{where}" is empty')
+        return [{"role": role or "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f'"{where}" must be a string or a non-empty list of messages')
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}[{i}] must have a role ({', '.join(ROLES)}) and string content")
+    return value
+
+
+def conversations(rec: dict) -> tuple[list[dict], list[dict]]:
+    """The chosen and rejected conversations of a record (ValueError says what is wrong)."""
+    if not isinstance(rec, dict):
+        raise ValueError("expected a JSON object per line")
+    for key in ("chosen", "rejected"):
+        if key not in rec:
+            raise ValueError(f'missing "{key}" (expected prompt/chosen/rejected)')
+    if "prompt" in rec:
+        prompt = _messages(rec["prompt"], "prompt")
+        if prompt[-1]["role"] == "assistant":
+            raise ValueError("the prompt ends with an assistant turn; the answers go in chosen/rejected")
+        chosen = prompt + _messages(rec["chosen"], "chosen", "assistant")
+        rejected = prompt + _messages(rec["rejected"], "rejected", "assistant")
+    else:
+        chosen, rejected = _messages(rec["chosen"], "chosen"), _messages(rec["rejected"], "rejected")
+    for name, conv in (("chosen", chosen), ("rejected", rejected)):
+        if conv[-1]["role"] != "assistant":
+            raise ValueError(f"{name} does not end with an assistant answer")
+    return chosen, rejected
+
+
+def tokenize_pair(rec: dict, tok, chat: ChatFormat, max_length: int, line: int = 0) -> Pair:
+    chosen, rejected = conversations(rec)
+    tc, mc = tokenize_record({"messages": chosen}, "chat", tok, chat)
+    tr, mr = tokenize_record({"messages": rejected}, "chat", tok, chat)
+    tc, mc, tr, mr = np.asarray(tc, np.int32), np.asarray(mc, bool), np.asarray(tr, np.int32), np.asarray(mr, bool)
+    if not mc.any() or not mr.any():
+        raise ValueError("an answer rendered to no trained tokens")
+    start = min(int(np.argmax(mc)), int(np.argmax(mr)))
+    common = 0
+    while common < start and tc[common] == tr[common]:
+        common += 1
+    if common == 0:
+        raise ValueError("chosen and rejected share no prompt")
+    ends = (len(mc) - int(np.argmax(mc[::-1])), len(mr) - int(np.argmax(mr[::-1])))
+    c, r = tc[common:ends[0]], tr[common:ends[1]]
+    wc, wr = mc[common:ends[0]].astype(np.float32), mr[common:ends[1]].astype(np.float32)
+    room = max_length - common
+    if room < 2:
+        raise ValueError(f"the prompt alone is {common} tokens, over max_length {max_length}")
+    truncated = len(c) > room or len(r) > room
+    return Pair(tc[:common], c[:room], r[:room], wc[:room], wr[:room], line, truncated)
+
+
+def load_pairs(path: Path, tok, chat: ChatFormat, *, max_length: int = 1024,
+               skip_bad: bool = False) -> tuple[list[Pair], LoadReport]:
+    path = Path(path)
+    report = LoadReport(path, format="pairs")
+    out = []
+    try:
+        fh = open(path, encoding="utf-8")
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such data file") from None
+    with fh:
+        for lineno, text in enumerate(fh, 1):
+            if not text.strip():
+                continue
+            report.n_lines += 1
+            try:
+                pair = tokenize_pair(json.loads(text), tok, chat, max_length, lineno)
+            except (json.JSONDecodeError, ValueError, ChatTemplateError) as exc:
+                msg = f"not valid JSON ({exc.msg})" if isinstance(exc, json.JSONDecodeError) else str(exc)
+                if not skip_bad:
+                    raise DataError(f"{path}:{lineno}: {msg}") from None
+                report.skip(msg[:60])
+                continue
+            report.n_truncated += pair.truncated
+            out.append(pair)
+    report.n_examples = len(out)
+    if not out:
+        raise DataError(f"{path}: no usable preference pairs ({report.summary()})")
+    return out, report
