@@ -36,7 +36,11 @@ CURVES = ["loss", "reward_mean", "eval_loss", "eval_reward", "eval_top1", "eval_
 
 def plot_run(out: Path) -> Path | None:
     """Draw RUN/loss.png from RUN/metrics.jsonl (also: python scripts/plot_run.py RUN)."""
-    return plot(MetricsLog(Path(out) / "metrics.jsonl").read(), CURVES, Path(out) / "loss.png", title=Path(out).name)
+    records = MetricsLog(Path(out) / "metrics.jsonl").read()
+    keys = CURVES
+    if any("eval_reward" in r for r in records):      # RL's eval_loss is only -eval_reward
+        keys = [k for k in CURVES if k != "eval_loss"]
+    return plot(records, keys, Path(out) / "loss.png", title=Path(out).name)
 
 
 @dataclass

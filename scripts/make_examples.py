@@ -6,9 +6,9 @@ sft-extract: read a one-sentence news item and answer with a JSON object holding
 the city and the year. The answer is checkable (exact JSON), the base model answers in prose.
 grpo-arith: "What is A + B? Reply with only the number." with A, B in 2..20 and the answer; the
 base model is right 8% of the time and never replies with only the number.
-pref-extract: the sft-extract questions as preference pairs: chosen is the faithful JSON answer,
-rejected a plausible unfaithful one (a wrong year, a city or a person that is not in the sentence,
-or a prose answer), so a model that prefers the chosen one must read the sentence.
+pref-arith: the grpo-arith questions as preference pairs: chosen is the right number alone;
+rejected is either right but wordy ("The answer is 17.") or only a number but wrong (off by 1, 2-3
+or 10). The base model prefers the wordy answers every time and the wrong number 40% of the time.
 """
 
 from __future__ import annotations
@@ -64,21 +64,14 @@ def arith(rng: random.Random) -> dict:
 
 
 def pref(rng: random.Random) -> dict:
-    person = f"{rng.choice(FIRST)} {rng.choice(LAST)}"
-    city, year = rng.choice(CITIES), rng.randint(1950, 2024)
-    sentence = rng.choice(EVENTS).format(person=person, city=city, year=year)
-    good = {"person": person, "city": city, "year": year}
-    bad = dict(good)
-    kind = rng.randrange(4)
-    if kind == 0:
-        bad["year"] = year + rng.choice([-11, -3, -1, 1, 2, 10])
-    elif kind == 1:
-        bad["city"] = rng.choice([c for c in CITIES if c != city])
-    elif kind == 2:
-        bad["person"] = f"{rng.choice(FIRST)} {rng.choice([x for x in LAST if x not in person])}"
-    rejected = (json.dumps(bad) if kind < 3 else
-                f"The sentence is about {person}, who is connected to {city}, and it happened in {year}.")
-    return {"prompt": rng.choice(ASK).format(s=sentence), "chosen": json.dumps(good), "rejected": rejected}
+    a, b = rng.randint(2, 20), rng.randint(2, 20)
+    kind = rng.randrange(6)
+    if kind < 3:       # right, but not what was asked for
+        rejected = [f"The answer is {a + b}.", f"{a} + {b} = {a + b}", f"Sure! {a} plus {b} equals {a + b}."][kind]
+    else:              # what was asked for, but wrong
+        rejected = str(a + b + rng.choice([[-1, 1], [-3, -2, 2, 3], [-10, 10]][kind - 3]))
+    return {"prompt": f"What is {a} + {b}? Reply with only the number.", "chosen": str(a + b),
+            "rejected": rejected}
 
 
 def write(path: Path, records: list[dict]) -> None:
@@ -101,7 +94,7 @@ def main() -> None:
     write(d / "eval.jsonl", records[500:])
     print(f"wrote {d}/train.jsonl (500) and eval.jsonl (60)")
     rng = random.Random(20261204)
-    d = ROOT / "examples" / "pref-extract"
+    d = ROOT / "examples" / "pref-arith"
     d.mkdir(parents=True, exist_ok=True)
     records = [pref(rng) for _ in range(400)]
     write(d / "train.jsonl", records[:320])

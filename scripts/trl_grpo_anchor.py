@@ -62,6 +62,7 @@ cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=32, 
                  max_completion_length=24, beta=0.04, learning_rate=2e-4, max_steps=steps + 1, logging_steps=1,
                  use_cpu=True, report_to=[], save_strategy="no", temperature=1.0, bf16=False)
 trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=cfg, train_dataset=ds, processing_class=tok,
+                      callbacks=[Timer()],
                       peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
                                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                              "up_proj", "down_proj"]))
