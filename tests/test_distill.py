@@ -177,7 +177,8 @@ def test_topk_file_round_trip_and_refusals(tmp_path):
 
 
 # ---- runs ----------------------------------------------------------------------------------------
-def make_distill_run(tmp_path: Path, student: Path, teacher: Path, extra: str = "", steps: int = 8) -> Path:
+def make_distill_run(tmp_path: Path, student: Path, teacher: Path, extra: str = "", steps: int = 8,
+                     every: int = 0) -> Path:
     rng = np.random.default_rng(0)
     words = "red green blue cat dog sun moon tree river stone".split()
     recs = [{"text": " ".join(rng.choice(words, 6))} for _ in range(20)]
@@ -206,7 +207,7 @@ learning_rate = 1e-2
 lr_schedule = "constant"
 threads = {THREADS}
 [checkpoint]
-every_steps = 0
+every_steps = {every}
 [evaluation]
 every_steps = 4
 [distill]
@@ -268,3 +269,20 @@ def test_teacher_topk_equals_student_topk_for_the_same_model(tiny):
     a, b = tr.engine.topk(None, batch, 4), te.topk(batch, 4)
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], b[1])
+
+
+def test_distill_resume_matches_uninterrupted(tiny, tmp_path):
+    student, teacher = tiny("llama", seed=0), tiny("llama", seed=7)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    train(open_model(load(make_distill_run(a, student, teacher, "divergence = \"jsd\"", steps=4, every=1))))
+    train(open_model(load(make_distill_run(b, student, teacher, "divergence = \"jsd\"", steps=2, every=1))))
+    train(open_model(load(make_distill_run(b, student, teacher, "divergence = \"jsd\"", steps=4, every=1))),
+          resume=True)
+    la = {r["step"]: r["loss"] for r in _metrics(a / "runs" / "d") if "loss" in r}
+    lb = {r["step"]: r["loss"] for r in _metrics(b / "runs" / "d") if "loss" in r}
+    assert sorted(lb) == [1, 2, 3, 4]
+    for step, value in la.items():
+        assert lb[step] == pytest.approx(value, rel=1e-6)
+    assert (a / "runs/d/adapter.gguf").read_bytes() == (b / "runs/d/adapter.gguf").read_bytes()

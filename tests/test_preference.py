@@ -145,13 +145,12 @@ def test_pair_formats_share_the_prompt_and_errors_name_the_line(tiny, tmp_path):
         load_pairs(bad, tok, chat)
 
 
-@pytest.mark.parametrize("kind", ["dpo", "simpo"])
-def test_preference_run_raises_held_out_accuracy(tiny, tmp_path, kind):
+def _pref_run(tmp_path: Path, model: Path, kind: str, steps: int = 12, every: int = 0) -> Path:
     _pairs_file(tmp_path / "train.jsonl", 40)
     cfg = tmp_path / "run.toml"
     cfg.write_text(f"""
 [model]
-path = "{tiny('llama')}"
+path = "{model}"
 ctx = 128
 [lora]
 rank = 4
@@ -163,21 +162,26 @@ name = "p"
 train = "train.jsonl"
 eval_split = 0.25
 [training]
-max_steps = 12
+max_steps = {steps}
 batch_size = 4
 micro_batch_tokens = 256
 learning_rate = 1e-2
 lr_schedule = "constant"
 threads = {THREADS}
 [checkpoint]
-every_steps = 0
+every_steps = {every}
 [evaluation]
 every_steps = 6
 [preference]
 loss = "{kind}"
 beta = 0.5
 """)
-    summary = train(open_model(load(cfg)))
+    return cfg
+
+
+@pytest.mark.parametrize("kind", ["dpo", "simpo"])
+def test_preference_run_raises_held_out_accuracy(tiny, tmp_path, kind):
+    summary = train(open_model(load(_pref_run(tmp_path, tiny("llama"), kind))))
     evals = [json.loads(x) for x in (tmp_path / "runs/p/metrics.jsonl").read_text().splitlines()
              if "eval_pref_accuracy" in x]
     assert evals[0]["step"] == 0 and evals[-1]["eval_pref_accuracy"] > evals[0]["eval_pref_accuracy"]
@@ -198,3 +202,23 @@ def test_bench_says_plainly_that_it_is_not_supported(tmp_path, algorithm):
     out = subprocess.run([sys.executable, "-m", "retrograd.cli", "bench", str(cfg)], capture_output=True, text=True)
     assert out.returncode == 2 and f"bench does not support {algorithm}" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_preference_resume_matches_uninterrupted(tiny, tmp_path):
+    model = tiny("llama")
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    train(open_model(load(_pref_run(a, model, "ipo", steps=4, every=1))))
+    train(open_model(load(_pref_run(b, model, "ipo", steps=2, every=1))))
+    train(open_model(load(_pref_run(b, model, "ipo", steps=4, every=1))), resume=True)
+
+    def losses(d):
+        rows = [json.loads(x) for x in (d / "runs/p/metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    la, lb = losses(a), losses(b)
+    assert sorted(lb) == [1, 2, 3, 4]
+    for step, value in la.items():
+        assert lb[step] == pytest.approx(value, rel=1e-6)
+    assert (a / "runs/p/adapter.gguf").read_bytes() == (b / "runs/p/adapter.gguf").read_bytes()
