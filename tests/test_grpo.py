@@ -115,3 +115,19 @@ def test_bench_grpo_reports_reward_distributions(tiny, tmp_path):
     out = subprocess.run([sys.executable, "-m", "retrograd.cli", "bench", str(cfg), "--data", str(tmp_path / "eval.jsonl"),
                           "--format", "text"], capture_output=True, text=True)
     assert out.returncode == 0 and "reward_mean" in out.stdout
+
+
+def test_retrograd_profile_reports_every_phase(tiny, tmp_path):
+    cfg = make_run(tmp_path, tiny("llama", n_layer=2), steps=2)
+    out = subprocess.run([sys.executable, "-m", "retrograd.profile", str(cfg), "--steps", "1", "--json",
+                          "--threads", str(THREADS)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    for phase in ("generation", "reference", "forward", "head", "backward", "optimizer", "adapter swap"):
+        assert rep["median"][phase] >= 0, phase
+    assert rep["median"]["total"] > 0 and rep["median"]["mem forward+head+backward"] > 0
+    assert not (tmp_path / "runs").exists()           # a throw-away run directory
+    sft = tmp_path / "sft.toml"
+    sft.write_text('[run]\nalgorithm = "sft"\n')
+    out = subprocess.run([sys.executable, "-m", "retrograd.profile", str(sft)], capture_output=True, text=True)
+    assert out.returncode == 2 and "runs grpo workloads" in out.stderr

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from retrograd.config import Config, ConfigError, check_paths, load
@@ -26,7 +28,14 @@ def load_config(args: argparse.Namespace, writes: tuple[str, ...] = ()) -> Confi
     return cfg
 
 
-def dispatch(args: argparse.Namespace) -> int:
+class ExitStatus:
+    code = 0
+
+
+@contextmanager
+def dispatch_errors(config: str = "") -> Iterator[ExitStatus]:
+    """Turns every known failure inside the block into one `error:` line and status.code (2 for
+    configuration errors, 1 for the rest, 130 for Ctrl-C); anything else propagates."""
     from retrograd.adapter import AdapterError
     from retrograd.algorithms.distill import DistillError
     from retrograd.algorithms.rewards import RewardError
@@ -38,7 +47,26 @@ def dispatch(args: argparse.Namespace) -> int:
     from retrograd.native import NativeError
     from retrograd.trainer import TrainError
 
+    status = ExitStatus()
     try:
+        yield status
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        status.code = 2
+    except RewardError as exc:
+        print(f"error: {config}: {exc}", file=sys.stderr)
+        status.code = 2
+    except (DataError, ModelNotFound, AdapterError, CheckpointError, ChatTemplateError, TrainError,
+            NativeError, DistillError, TopkFileError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        status.code = 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        status.code = 130
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    with dispatch_errors(getattr(args, "config", "")) as status:
         if args.command in ("inspect", "preflight"):
             from retrograd.commands import inspect as cmd
         elif args.command == "train":
@@ -54,16 +82,4 @@ def dispatch(args: argparse.Namespace) -> int:
         else:  # pragma: no cover - the parser knows every command
             raise SystemExit(f"unknown command {args.command}")
         return cmd.run(args)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RewardError as exc:
-        print(f"error: {getattr(args, 'config', '')}: {exc}", file=sys.stderr)
-        return 2
-    except (DataError, ModelNotFound, AdapterError, CheckpointError, ChatTemplateError, TrainError,
-            NativeError, DistillError, TopkFileError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+    return status.code
