@@ -286,3 +286,23 @@ def test_distill_resume_matches_uninterrupted(tiny, tmp_path):
     for step, value in la.items():
         assert lb[step] == pytest.approx(value, rel=1e-6)
     assert (a / "runs/d/adapter.gguf").read_bytes() == (b / "runs/d/adapter.gguf").read_bytes()
+
+
+def test_offline_evaluation_reads_its_own_file(tiny, tmp_path):
+    student, teacher = tiny("llama", seed=0), tiny("llama", seed=7)
+    cfg = make_distill_run(tmp_path, student, teacher, 'teacher_file = "t.topk"\neval_teacher_file = "e.topk"',
+                           steps=2)
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"text": f"moon river stone {i}"}) + "\n"
+                                                 for i in range(3)))
+    cfg.write_text(cfg.read_text().replace("[evaluation]", '[evaluation]\ndata = "eval.jsonl"'))
+    env = {**os.environ, "RETRO_THREADS": str(THREADS)}
+    for extra in ([], ["--data", str(tmp_path / "eval.jsonl"), "--out", str(tmp_path / "e.topk")]):
+        out = subprocess.run([sys.executable, "-m", "retrograd.cli", "distill-teacher", str(cfg), *extra],
+                             capture_output=True, text=True, env=env)
+        assert out.returncode == 0, out.stderr
+    out = subprocess.run([sys.executable, "-m", "retrograd.cli", "train", str(cfg)], capture_output=True,
+                         text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "final evaluation:" in out.stdout and " top1 " in out.stdout and " kl " in out.stdout
+    evals = [r for r in _metrics(tmp_path / "runs" / "d") if "eval_kl" in r]
+    assert evals and evals[-1]["eval_examples"] == 3

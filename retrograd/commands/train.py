@@ -17,10 +17,11 @@ def run(args: argparse.Namespace) -> int:
     ctx = open_model(cfg)
     summary = train(ctx, resume)
     print(f"done: {summary['steps']} steps in {summary['seconds']:.0f} s; adapter {summary['adapter']}")
-    if "eval_reward" in summary:
-        print(f"eval reward {summary['eval_reward']:.4f}")
-    elif "eval_loss" in summary:
-        print(f"eval loss {summary['eval_loss']:.4f} (perplexity {summary.get('eval_ppl', float('nan')):.2f})")
+    shown = [(k[5:], v) for k, v in summary.items()
+             if k.startswith("eval_") and not k.endswith(("_tokens", "_examples", "_nll"))
+             and not (k == "eval_loss" and "eval_reward" in summary)]     # RL's eval_loss is -eval_reward
+    if shown:
+        print("final evaluation: " + ", ".join(f"{k} {v:.4g}" for k, v in shown))
     if summary.get("plot"):
         print(f"curves {summary['plot']}; metrics {summary['metrics']}")
     return 0
