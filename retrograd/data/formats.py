@@ -109,11 +109,12 @@ def validate(record: dict, fmt: str) -> None:
             raise ValueError('"tools" must be a list of tool schemas')
 
 
-def read_jsonl(path: Path, fmt: str = "auto", *, skip_bad: bool = False,
-               report: LoadReport | None = None) -> Iterator[tuple[int, dict, str]]:
-    """Yield (line number, record, format) for every valid record."""
+def parse_jsonl(path: Path, report: LoadReport, convert, *, skip_bad: bool = False) -> Iterator:
+    """Yield convert(record, line) for every non-blank line of a JSONL file. A line that is not a
+    JSON object, or that convert rejects with ValueError, stops with `FILE:LINE: reason`, or with
+    skip_bad is counted in the report and skipped. convert returns None for a record it has
+    skipped (and counted) itself."""
     path = Path(path)
-    report = report or LoadReport(path)
     try:
         fh = open(path, encoding="utf-8")
     except FileNotFoundError:
@@ -127,20 +128,33 @@ def read_jsonl(path: Path, fmt: str = "auto", *, skip_bad: bool = False,
                 rec = json.loads(line)
                 if not isinstance(rec, dict):
                     raise ValueError("expected a JSON object per line")
-                this = detect(rec) if fmt == "auto" else fmt
-                if this is None:
-                    raise ValueError('cannot tell the format: expected "text", "prompt"+"completion" or "messages"')
-                if fmt == "auto" and report.format and this != report.format and {this, report.format} != {"chat", "tools"}:
-                    raise ValueError(f"record is {this} but earlier records are {report.format}")
-                validate(rec, this)
+                out = convert(rec, lineno)
             except (json.JSONDecodeError, ValueError, AttributeError) as exc:
                 msg = f"not valid JSON ({exc.msg})" if isinstance(exc, json.JSONDecodeError) else str(exc)
                 if not skip_bad:
                     raise DataError(f"{path}:{lineno}: {msg}") from None
                 report.skip(msg if len(msg) < 60 else msg[:57] + "...")
                 continue
-            report.format = report.format or this
-            yield lineno, rec, this
+            if out is not None:
+                yield out
+
+
+def read_jsonl(path: Path, fmt: str = "auto", *, skip_bad: bool = False,
+               report: LoadReport | None = None) -> Iterator[tuple[int, dict, str]]:
+    """Yield (line number, record, format) for every valid record."""
+    report = report or LoadReport(Path(path))
+
+    def check(rec: dict, lineno: int) -> tuple[int, dict, str]:
+        this = detect(rec) if fmt == "auto" else fmt
+        if this is None:
+            raise ValueError('cannot tell the format: expected "text", "prompt"+"completion" or "messages"')
+        if fmt == "auto" and report.format and this != report.format and {this, report.format} != {"chat", "tools"}:
+            raise ValueError(f"record is {this} but earlier records are {report.format}")
+        validate(rec, this)
+        report.format = report.format or this
+        return lineno, rec, this
+
+    return parse_jsonl(path, report, check, skip_bad=skip_bad)
 
 
 def tokenize_record(rec: dict, fmt: str, tok, chat: ChatFormat) -> tuple[list[int], list[bool]]:

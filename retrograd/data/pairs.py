@@ -15,15 +15,14 @@ token are the shared prompt, which a micro-batch holds once.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from retrograd.data.batching import Group
-from retrograd.data.chat import ChatFormat, ChatTemplateError
-from retrograd.data.formats import ROLES, DataError, LoadReport, tokenize_record
+from retrograd.data.chat import ChatFormat
+from retrograd.data.formats import ROLES, DataError, LoadReport, parse_jsonl, tokenize_record
 
 
 @dataclass
@@ -111,26 +110,13 @@ def load_pairs(path: Path, tok, chat: ChatFormat, *, max_length: int = 1024,
                skip_bad: bool = False) -> tuple[list[Pair], LoadReport]:
     path = Path(path)
     report = LoadReport(path, format="pairs")
-    out = []
-    try:
-        fh = open(path, encoding="utf-8")
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such data file") from None
-    with fh:
-        for lineno, text in enumerate(fh, 1):
-            if not text.strip():
-                continue
-            report.n_lines += 1
-            try:
-                pair = tokenize_pair(json.loads(text), tok, chat, max_length, lineno)
-            except (json.JSONDecodeError, ValueError, ChatTemplateError) as exc:
-                msg = f"not valid JSON ({exc.msg})" if isinstance(exc, json.JSONDecodeError) else str(exc)
-                if not skip_bad:
-                    raise DataError(f"{path}:{lineno}: {msg}") from None
-                report.skip(msg[:60])
-                continue
-            report.n_truncated += pair.truncated
-            out.append(pair)
+
+    def convert(rec: dict, lineno: int) -> Pair:
+        pair = tokenize_pair(rec, tok, chat, max_length, lineno)
+        report.n_truncated += pair.truncated
+        return pair
+
+    out = list(parse_jsonl(path, report, convert, skip_bad=skip_bad))
     report.n_examples = len(out)
     if not out:
         raise DataError(f"{path}: no usable preference pairs ({report.summary()})")

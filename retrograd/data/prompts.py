@@ -3,14 +3,13 @@ read (such as "answer"). Prompts are rendered with the chat template, ready for 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from retrograd.data.chat import ChatFormat, ChatTemplateError
-from retrograd.data.formats import ROLES, DataError, LoadReport
+from retrograd.data.chat import ChatFormat
+from retrograd.data.formats import ROLES, DataError, LoadReport, parse_jsonl
 
 
 @dataclass
@@ -39,33 +38,17 @@ def load_prompts(path: Path, tok, chat: ChatFormat, *, max_tokens: int = 512,
                  skip_bad: bool = False) -> tuple[list[Prompt], LoadReport]:
     path = Path(path)
     report = LoadReport(path, format="prompts")
-    out = []
-    try:
-        fh = open(path, encoding="utf-8")
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such data file") from None
-    with fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            report.n_lines += 1
-            try:
-                rec = json.loads(line)
-                if not isinstance(rec, dict):
-                    raise ValueError("expected a JSON object per line")
-                msgs = messages_of(rec)
-                text = chat.render(msgs, tools=rec.get("tools"), add_generation_prompt=True)
-            except (json.JSONDecodeError, ValueError, ChatTemplateError) as exc:
-                msg = f"not valid JSON ({exc.msg})" if isinstance(exc, json.JSONDecodeError) else str(exc)
-                if not skip_bad:
-                    raise DataError(f"{path}:{lineno}: {msg}") from None
-                report.skip(msg[:60])
-                continue
-            ids = tok.encode(text, add_bos=tok.add_bos and not (chat.bos_token and text.startswith(chat.bos_token)))
-            if len(ids) > max_tokens:
-                report.skip(f"prompt longer than {max_tokens} tokens")
-                continue
-            out.append(Prompt(np.asarray(ids, np.int32), rec, lineno, msgs))
+
+    def convert(rec: dict, lineno: int) -> Prompt | None:
+        msgs = messages_of(rec)
+        text = chat.render(msgs, tools=rec.get("tools"), add_generation_prompt=True)
+        ids = tok.encode(text, add_bos=tok.add_bos and not (chat.bos_token and text.startswith(chat.bos_token)))
+        if len(ids) > max_tokens:
+            report.skip(f"prompt longer than {max_tokens} tokens")
+            return None
+        return Prompt(np.asarray(ids, np.int32), rec, lineno, msgs)
+
+    out = list(parse_jsonl(path, report, convert, skip_bad=skip_bad))
     report.n_examples = len(out)
     if not out:
         raise DataError(f"{path}: no usable prompts ({report.summary()})")
