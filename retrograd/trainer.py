@@ -18,7 +18,7 @@ from retrograd.algorithms import recipe_for
 from retrograd.config import Config
 from retrograd.data import chat as chat_mod
 from retrograd.data import tokenizer as tok_mod
-from retrograd.data.batching import split_holdout
+from retrograd.data.batching import train_and_eval
 from retrograd.data.formats import DataError, load_examples
 from retrograd.engine import LoraSpec, Trainable
 from retrograd.models import default_model_path
@@ -100,20 +100,10 @@ def load_data(ctx: RunContext) -> None:
     d, cfg = ctx.cfg.data, ctx.cfg
     if d.train is None:
         raise DataError(f"{cfg.source or '<config>'}: [data].train is required for {cfg.run.algorithm}")
-    examples, report = load_examples(Path(d.train), ctx.tokenizer, ctx.chat, fmt=d.format,
-                                     max_length=min(d.max_length, cfg.model.ctx), skip_bad=d.skip_bad_lines)
-    ctx.notes.append("train data: " + report.summary())
-    train, held = split_holdout(examples, d.eval_split, cfg.run.seed)
-    ctx.train_examples = train
-    if cfg.evaluation.data:
-        ctx.eval_examples, er = load_examples(Path(cfg.evaluation.data), ctx.tokenizer, ctx.chat,
-                                              fmt=d.format, max_length=min(d.max_length, cfg.model.ctx),
-                                              skip_bad=d.skip_bad_lines)
-        ctx.notes.append("eval data: " + er.summary())
-    else:
-        ctx.eval_examples = held
-        if held:
-            ctx.notes.append(f"eval data: {len(held)} examples held out of the training data")
+    ctx.train_examples, ctx.eval_examples = train_and_eval(
+        cfg, lambda path: load_examples(path, ctx.tokenizer, ctx.chat, fmt=d.format,
+                                        max_length=min(d.max_length, cfg.model.ctx), skip_bad=d.skip_bad_lines),
+        "data", ctx.notes)
 
 
 def learning_rate(cfg: Config, step: int, total: int) -> float:

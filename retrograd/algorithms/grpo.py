@@ -14,7 +14,7 @@ import numpy as np
 from retrograd.algorithms import MicroBatch, StepWork
 from retrograd.algorithms import rewards as rw
 from retrograd.algorithms.pg_losses import PGBatch, PGConfig, group_advantages, policy_loss
-from retrograd.data.batching import Cursor, ExampleStream, Group, group_batch, pack_groups, split_holdout
+from retrograd.data.batching import ExampleStream, Group, group_batch, pack_groups, train_and_eval
 from retrograd.data.prompts import load_prompts
 from retrograd.eval.rewards import sample_rewards
 from retrograd.generation.llama import Generator, SamplingParams
@@ -42,16 +42,10 @@ class GRPO:
         self.rewards = rw.build(g.rewards, base, "grpo")
         if cfg.data.train is None:
             raise rw.RewardError("[data].train is required: a JSONL file of prompts")
-        prompts, rep = load_prompts(Path(cfg.data.train), run.tokenizer, run.chat, max_tokens=g.max_prompt_tokens,
-                                    skip_bad=cfg.data.skip_bad_lines)
-        run.notes.append("train prompts: " + rep.summary())
-        train, held = split_holdout(prompts, cfg.data.eval_split, cfg.run.seed)
-        if cfg.evaluation.data:
-            held, er = load_prompts(Path(cfg.evaluation.data), run.tokenizer, run.chat,
-                                    max_tokens=g.max_prompt_tokens, skip_bad=cfg.data.skip_bad_lines)
-            run.notes.append("eval prompts: " + er.summary())
-        self.train_prompts, self.eval_prompts = train, held
-        self.stream = ExampleStream(train, cfg.run.seed, cfg.data.shuffle)
+        self.train_prompts, self.eval_prompts = train_and_eval(
+            cfg, lambda path: load_prompts(path, run.tokenizer, run.chat, max_tokens=g.max_prompt_tokens,
+                                           skip_bad=cfg.data.skip_bad_lines), "prompts", run.notes)
+        self.stream = ExampleStream(self.train_prompts, cfg.run.seed, cfg.data.shuffle)
         self.gen = Generator(run.trainable.model_path, n_ctx=g.max_prompt_tokens + g.max_new_tokens + 8,
                              n_seq=g.group_size, threads=run.trainable.info.n_threads, device=cfg.model.device)
         self.pg = PGConfig(g.loss, g.epsilon, g.epsilon_high or g.epsilon, g.beta, max_new_tokens=g.max_new_tokens)
@@ -183,10 +177,7 @@ class GRPO:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        c = state.get("cursor", {})
-        cfg = self.run.cfg
-        self.stream = ExampleStream(self.train_prompts, cfg.run.seed, cfg.data.shuffle,
-                                    Cursor(int(c.get("epoch", 0)), int(c.get("index", 0))))
+        self.stream.seek(state.get("cursor", {}))
         self.rollout_index = int(state.get("rollout_index", 0))
         self.iteration = int(state.get("iteration", 0))
         r = state.get("rollout")

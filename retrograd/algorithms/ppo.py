@@ -16,7 +16,7 @@ import numpy as np
 
 from retrograd.algorithms import MicroBatch, StepWork
 from retrograd.algorithms import rewards as rw
-from retrograd.data.batching import Cursor, ExampleStream, pack, split_holdout, to_batch
+from retrograd.data.batching import ExampleStream, pack, to_batch, train_and_eval
 from retrograd.data.formats import Example
 from retrograd.data.prompts import load_prompts
 from retrograd.eval.rewards import sample_rewards
@@ -115,14 +115,10 @@ class PPO:
         self.rewards = rw.build(p.rewards, base, "ppo")
         if cfg.data.train is None:
             raise rw.RewardError("[data].train is required: a JSONL file of prompts")
-        prompts, rep = load_prompts(Path(cfg.data.train), run.tokenizer, run.chat, max_tokens=p.max_prompt_tokens,
-                                    skip_bad=cfg.data.skip_bad_lines)
-        run.notes.append("train prompts: " + rep.summary())
-        train, held = split_holdout(prompts, cfg.data.eval_split, cfg.run.seed)
-        if cfg.evaluation.data:
-            held, _ = load_prompts(Path(cfg.evaluation.data), run.tokenizer, run.chat, max_tokens=p.max_prompt_tokens)
-        self.train_prompts, self.eval_prompts = train, held
-        self.stream = ExampleStream(train, cfg.run.seed, cfg.data.shuffle)
+        self.train_prompts, self.eval_prompts = train_and_eval(
+            cfg, lambda path: load_prompts(path, run.tokenizer, run.chat, max_tokens=p.max_prompt_tokens,
+                                           skip_bad=cfg.data.skip_bad_lines), "prompts", run.notes)
+        self.stream = ExampleStream(self.train_prompts, cfg.run.seed, cfg.data.shuffle)
         self.gen = Generator(run.trainable.model_path, n_ctx=p.max_prompt_tokens + p.max_new_tokens + 8,
                              n_seq=8, threads=run.trainable.info.n_threads, device=cfg.model.device)
         self.value = ValueHead.new(run.trainable.info.n_embd)
@@ -262,10 +258,7 @@ class PPO:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        cfg = self.run.cfg
-        c = state.get("cursor", {})
-        self.stream = ExampleStream(self.train_prompts, cfg.run.seed, cfg.data.shuffle,
-                                    Cursor(int(c.get("epoch", 0)), int(c.get("index", 0))))
+        self.stream.seek(state.get("cursor", {}))
         self.rollout_index = int(state.get("rollout_index", 0))
         self.epoch = int(state.get("epoch", 0))
         if "value_head" in state:

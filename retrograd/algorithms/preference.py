@@ -10,13 +10,12 @@ kept on the pair, so each pair costs one reference pass per run.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 
 from retrograd.algorithms import MicroBatch, StepWork
 from retrograd.algorithms.preference_losses import REFERENCE_FREE, PairStats, implicit_rewards, preference_loss
-from retrograd.data.batching import Cursor, ExampleStream, group_batch, pack_groups, split_holdout
+from retrograd.data.batching import ExampleStream, group_batch, pack_groups, train_and_eval
 from retrograd.data.formats import DataError
 from retrograd.data.pairs import Pair, load_pairs
 from retrograd.native import LossInputs, LossOutputs
@@ -62,16 +61,9 @@ class Preference:
         d = cfg.data
         if d.train is None:
             raise DataError(f"{cfg.source or '<config>'}: [data].train is required for preference")
-        max_len = min(d.max_length, cfg.model.ctx)
-        pairs, report = load_pairs(Path(d.train), run.tokenizer, run.chat, max_length=max_len, skip_bad=d.skip_bad_lines)
-        run.notes.append("train pairs: " + report.summary())
-        self.train, held = split_holdout(pairs, d.eval_split, cfg.run.seed)
-        if cfg.evaluation.data:
-            self.eval, er = load_pairs(Path(cfg.evaluation.data), run.tokenizer, run.chat, max_length=max_len,
-                                       skip_bad=d.skip_bad_lines)
-            run.notes.append("eval pairs: " + er.summary())
-        else:
-            self.eval = held
+        self.train, self.eval = train_and_eval(
+            cfg, lambda path: load_pairs(path, run.tokenizer, run.chat, max_length=min(d.max_length, cfg.model.ctx),
+                                         skip_bad=d.skip_bad_lines), "pairs", run.notes)
         self.stream = ExampleStream(self.train, cfg.run.seed, d.shuffle)
 
     def _kw(self) -> dict:
@@ -123,9 +115,7 @@ class Preference:
         return {"cursor": self.stream.cursor.to_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        c = state.get("cursor", {})
-        self.stream = ExampleStream(self.train, self.run.cfg.run.seed, self.run.cfg.data.shuffle,
-                                    Cursor(int(c.get("epoch", 0)), int(c.get("index", 0))))
+        self.stream.seek(state.get("cursor", {}))
 
 
 def evaluate_pairs(trainable, pairs: list[Pair], budget: int, p, adapter: bool = True) -> dict[str, float]:

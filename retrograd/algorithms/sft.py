@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from retrograd.algorithms import MicroBatch, StepWork
-from retrograd.data.batching import Cursor, ExampleStream, pack, to_batch
+from retrograd.data.batching import ExampleStream, pack, to_batch
 from retrograd.native import LossInputs, LossOutputs
 
 
@@ -72,9 +72,7 @@ class SFT:
         return {"cursor": self.stream.cursor.to_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        c = state.get("cursor", {})
-        self.stream = ExampleStream(self.train_examples, self.run.cfg.run.seed, self.run.cfg.data.shuffle,
-                                    Cursor(int(c.get("epoch", 0)), int(c.get("index", 0))))
+        self.stream.seek(state.get("cursor", {}))
 
 
 def evaluate_nll(trainable, examples, budget: int, adapter: bool = True) -> dict[str, float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -18,6 +19,20 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     if not shuffle:
         return np.arange(n)
     return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def train_and_eval(cfg, load, what: str, notes: list[str]) -> tuple[list, list]:
+    """The training items of [data].train and the evaluation items: those of [evaluation].data when
+    it is set, else the held-out split. load(path) -> (items, LoadReport); a note per file."""
+    items, report = load(Path(cfg.data.train))
+    notes.append(f"train {what}: {report.summary()}")
+    train, held = split_holdout(items, cfg.data.eval_split, cfg.run.seed)
+    if cfg.evaluation.data:
+        held, er = load(Path(cfg.evaluation.data))
+        notes.append(f"eval {what}: {er.summary()}")
+    elif held:
+        notes.append(f"eval {what}: {len(held)} examples held out of the training data")
+    return train, held
 
 
 def split_holdout(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
@@ -66,6 +81,11 @@ class ExampleStream:
             self.cursor = Cursor(self.cursor.epoch, self.cursor.index + 1)
             if (n and len(out) >= n) or (tokens and used >= tokens):
                 return out
+
+    def seek(self, cursor: dict) -> None:
+        """Continue from a position saved as cursor.to_dict() (resume)."""
+        self.cursor = Cursor(int(cursor.get("epoch", 0)), int(cursor.get("index", 0)))
+        self._order = epoch_order(len(self.examples), self.seed, self.cursor.epoch, self.shuffle)
 
     @property
     def epoch_progress(self) -> float:
