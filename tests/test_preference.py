@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import THREADS
+from gradcheck import randomize_adapter, richardson
 from test_algorithms import numeric_grad
 
 from retrograd import native
-from retrograd.algorithms.preference import pair_batches, stats_for
+from retrograd.algorithms.preference import pair_batches, pair_loss
 from retrograd.algorithms.preference_losses import LOSSES, PairStats, preference_loss
-from retrograd.config import load
+from retrograd.config import PreferenceSection, load
 from retrograd.data import chat as chat_mod
 from retrograd.data import tokenizer as tok_mod
 from retrograd.data.formats import DataError
@@ -81,40 +82,22 @@ def test_pair_loss_gradient_through_the_engine(tiny, tmp_path, kind):
     tr = Trainable(path, LoraSpec(4, 8.0), threads=THREADS)
     tr.engine.set_exact_ops(True)
     rng = np.random.default_rng(4)
-    for t in tr.lora.tensors:
-        tr.lora.write(t.index, rng.standard_normal(t.shape).astype(np.float32) * 0.3)
+    randomize_adapter(tr, rng)                 # the same generator then draws the references
     for p in pairs:
         p.ref = (-20.0 + rng.normal(), -22.0 + rng.normal())
     [(chunk, batch, owner, w)] = list(pair_batches(pairs, 4096))
 
-    def value():
-        s = stats_for(chunk, tr.logprobs(batch).logp, owner, w, True)
-        return preference_loss(s, kind, 0.5)[0]
+    cfg = PreferenceSection(loss=kind, beta=0.5)
 
-    def fn(inp):
-        s = stats_for(chunk, inp.logp, owner, w, True)
-        _, gc, gr, _ = preference_loss(s, kind, 0.5)
-        per = np.empty(2 * len(chunk))
-        per[0::2], per[1::2] = gc, gr
-        return native.LossOutputs((per[owner] * w).astype(np.float32))
+    def value():
+        return pair_loss(chunk, tr.logprobs(batch).logp, owner, w, cfg, True)[0]
 
     tr.lora.zero(native.SLOT_GRAD)
-    tr.accumulate(batch, fn)
+    tr.accumulate(batch, lambda inp: native.LossOutputs(pair_loss(chunk, inp.logp, owner, w, cfg, True)[1]))
     t = tr.lora.index["blk.0.ffn_up.weight.lora_b"]
     g = tr.lora.read(t.index, native.SLOT_GRAD).ravel()
-    wt = tr.lora.read(t.index)
     for i in np.argsort(-np.abs(g))[:3]:
-        def d(h, i=i):
-            x = wt.copy().ravel()
-            x[i] += h
-            tr.lora.write(t.index, x.reshape(wt.shape))
-            up = value()
-            x[i] -= 2 * h
-            tr.lora.write(t.index, x.reshape(wt.shape))
-            down = value()
-            tr.lora.write(t.index, wt)
-            return (up - down) / (2 * h)
-        assert (4 * d(5e-3) - d(1e-2)) / 3 == pytest.approx(g[i], rel=1e-2, abs=1e-7)
+        assert richardson(tr, t, value, i) == pytest.approx(g[i], rel=1e-2, abs=1e-7)
 
 
 def test_pair_formats_share_the_prompt_and_errors_name_the_line(tiny, tmp_path):

@@ -52,6 +52,17 @@ def stats_for(chunk: list[Pair], logp: np.ndarray, owner: np.ndarray, w: np.ndar
     return PairStats(pc, pr, nc, nr, np.array([p.ref[0] for p in chunk]), np.array([p.ref[1] for p in chunk]))
 
 
+def pair_loss(chunk: list[Pair], logp: np.ndarray, owner: np.ndarray, w: np.ndarray, p, need_ref: bool,
+              norm: float = 1.0) -> tuple[float, np.ndarray, PairStats]:
+    """One micro-batch of pairs: the loss, d(loss)/d(logp) per target (each answer's coefficient
+    on each of its trained tokens) and the pairs' statistics. p is the [preference] section."""
+    s = stats_for(chunk, logp, owner, w, need_ref)
+    value, gc, gr, _ = preference_loss(s, p.loss, p.beta, gamma=p.simpo_gamma, lam=p.orpo_lambda, norm=norm)
+    per_seq = np.empty(2 * len(chunk))
+    per_seq[0::2], per_seq[1::2] = gc, gr
+    return value, (per_seq[owner] * w).astype(np.float32), s
+
+
 class Preference:
     def __init__(self, run) -> None:
         self.run = run
@@ -66,9 +77,6 @@ class Preference:
                                          skip_bad=d.skip_bad_lines), "pairs", run.notes)
         self.stream = ExampleStream(self.train, cfg.run.seed, d.shuffle)
 
-    def _kw(self) -> dict:
-        return {"gamma": self.p.simpo_gamma, "lam": self.p.orpo_lambda}
-
     def next_step(self) -> StepWork:
         t = self.run.cfg.training
         if t.batch_tokens:
@@ -81,13 +89,10 @@ class Preference:
         micro = []
         for chunk, batch, owner, w in pair_batches(pairs, t.micro_batch_tokens):
             def loss(inp: LossInputs, chunk=chunk, owner=owner, w=w) -> tuple[LossOutputs, dict]:
-                s = stats_for(chunk, inp.logp, owner, w, self.need_ref)
-                value, gc, gr, _ = preference_loss(s, self.p.loss, self.p.beta, norm=norm, **self._kw())
-                per_seq = np.empty(2 * len(chunk))
-                per_seq[0::2], per_seq[1::2] = gc, gr
+                value, coeff, s = pair_loss(chunk, inp.logp, owner, w, self.p, self.need_ref, norm)
                 rc, rr = implicit_rewards(s, self.p.loss, self.p.beta)
                 margin = rc - rr
-                return LossOutputs((per_seq[owner] * w).astype(np.float32)), {
+                return LossOutputs(coeff), {
                     "loss": value, "reward_margin": float(margin.sum() / norm),
                     "reward_accuracy": float((margin > 0).sum() / norm),
                     "chosen_logp": float((s.pc / np.maximum(s.nc, 1)).sum() / norm),
