@@ -349,9 +349,10 @@ static float * hidden_to_host(struct ggml_tensor * hidden, float ** owned) {
 }
 
 /* ---- forward only ---------------------------------------------------------------------------- */
-/* The trunk, then either the targets' log-probs (topk == 0) or each target row's top-k. */
+/* The trunk, then the targets' log-probs (logp_out) and, with topk > 0, each target row's top-k. */
 static rg_status forward_impl(rg_engine * e, rg_lora * lora, const rg_batch * batch, float * logp_out,
-                              float * entropy_out, float * hidden_out, int topk, int32_t * topk_ids) {
+                              float * entropy_out, float * hidden_out, int topk, int32_t * topk_ids,
+                              float * topk_logp) {
     rg_status st = check_batch(e->model, batch);
     if (st) return st;
     const int32_t n_real = batch->n_tokens;
@@ -370,7 +371,7 @@ static rg_status forward_impl(rg_engine * e, rg_lora * lora, const rg_batch * ba
         e->timings.forward_ms += rg_now_ms() - t0;
     }
     if (st == RG_OK && batch->n_targets > 0) {
-        st = topk > 0 ? rg_head_topk(e->head, o.b.hidden, batch, topk, topk_ids, logp_out)
+        st = topk > 0 ? rg_head_topk(e->head, o.b.hidden, batch, topk, topk_ids, topk_logp, logp_out)
                       : rg_head_forward(e->head, o.b.hidden, batch, logp_out, entropy_out, false, 0);
         e->timings.head_ms += rg_head_ms(e->head, true);
     }
@@ -385,13 +386,13 @@ static rg_status forward_impl(rg_engine * e, rg_lora * lora, const rg_batch * ba
 
 rg_status rg_engine_forward(rg_engine * e, rg_lora * lora, const rg_batch * batch,
                             float * logp_out, float * entropy_out, float * hidden_out) {
-    return forward_impl(e, lora, batch, logp_out, entropy_out, hidden_out, 0, NULL);
+    return forward_impl(e, lora, batch, logp_out, entropy_out, hidden_out, 0, NULL, NULL);
 }
 
 rg_status rg_engine_topk(rg_engine * e, rg_lora * lora, const rg_batch * batch, int k,
-                         int32_t * ids_out, float * logp_out) {
+                         int32_t * ids_out, float * logp_out, float * target_logp_out) {
     if (k < 1) return rg_fail(RG_ERR_ARG, "top-k: k must be >= 1, got %d", k);
-    return forward_impl(e, lora, batch, logp_out, NULL, NULL, k, ids_out);
+    return forward_impl(e, lora, batch, target_logp_out, NULL, NULL, k, ids_out, logp_out);
 }
 
 /* ---- training micro-batch --------------------------------------------------------------------- */

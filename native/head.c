@@ -380,7 +380,7 @@ static void row_topk(const float * row, int V, int k, int32_t * ids, float * val
 }
 
 rg_status rg_head_topk(rg_head * h, struct ggml_tensor * hidden, const rg_batch * batch, int k,
-                       int32_t * ids_out, float * logp_out) {
+                       int32_t * ids_out, float * logp_out, float * target_logp) {
     const double t0 = rg_now_ms();
     rg_status st = select_rows(h, batch);
     if (st) return st;
@@ -391,6 +391,7 @@ rg_status rg_head_topk(rg_head * h, struct ggml_tensor * hidden, const rg_batch 
     float * host = malloc(sizeof(float) * (size_t) V * (size_t) h->chunk);
     int32_t * rid = malloc(sizeof(int32_t) * (size_t) k * (size_t) (h->n_rows > 0 ? h->n_rows : 1));
     float * rlp = malloc(sizeof(float) * (size_t) k * (size_t) (h->n_rows > 0 ? h->n_rows : 1));
+    float * lses = malloc(sizeof(float) * (size_t) h->chunk);
     for (int c0 = 0; c0 < h->n_rows && st == RG_OK; c0 += h->chunk) {
         const int n = h->n_rows - c0 < h->chunk ? h->n_rows - c0 : h->chunk;
         struct ggml_context * ctx = new_ctx();
@@ -415,6 +416,14 @@ rg_status rg_head_topk(rg_head * h, struct ggml_tensor * hidden, const rg_batch 
                 for (int v = 0; v < V; v++) sum += exp((double) row[v] - vals[0]);
                 const float lse = vals[0] + (float) log(sum);
                 for (int i = 0; i < k; i++) vals[i] -= lse;
+                lses[j] = lse;
+            }
+            if (target_logp) {
+                for (int t = 0; t < K; t++) {
+                    const int col = h->col_of_target[t];
+                    if (col < c0 || col >= c0 + n) continue;
+                    target_logp[t] = host[(size_t) (col - c0) * V + batch->target_ids[t]] - lses[col - c0];
+                }
             }
         }
         ggml_free(ctx);
@@ -429,6 +438,7 @@ rg_status rg_head_topk(rg_head * h, struct ggml_tensor * hidden, const rg_batch 
     free(host);
     free(rid);
     free(rlp);
+    free(lses);
     h->ms += rg_now_ms() - t0;
     return st;
 }

@@ -174,11 +174,12 @@ void      rg_engine_set_head_budget(rg_engine * engine, size_t bytes);
  * and hidden_out may be NULL. */
 rg_status rg_engine_forward(rg_engine * engine, rg_lora * lora, const rg_batch * batch,
                             float * logp_out, float * entropy_out, float * hidden_out);
-/* Forward only: for each target's row (the target ids are not used), the k most likely next
- * tokens, best first: ids_out and logp_out hold n_targets * k entries. For distillation
- * teachers and top-1 agreement. */
+/* Forward only: for each target's row, the k most likely next tokens, best first: ids_out and
+ * logp_out hold n_targets * k entries. target_logp_out (may be NULL) gets the targets' own
+ * log-probs from the same pass, as rg_engine_forward would. For distillation teachers and
+ * top-1 agreement. */
 rg_status rg_engine_topk(rg_engine * engine, rg_lora * lora, const rg_batch * batch, int k,
-                         int32_t * ids_out, float * logp_out);
+                         int32_t * ids_out, float * logp_out, float * target_logp_out);
 /* Forward, head, callback, backward: adds the gradient of sum(coeff * logp) (plus whatever the
  * callback put in hidden_grad) to the lora's GRAD slot. want_hidden passes hidden states. */
 rg_status rg_engine_accumulate(rg_engine * engine, rg_lora * lora, const rg_batch * batch,

@@ -129,9 +129,10 @@ rg_status rg_head_backward(rg_head * head, struct ggml_tensor * hidden,
                            const float * logp, const float * coeff);
 double    rg_head_ms(rg_head * head, bool reset);
 void      rg_head_set_exact(rg_head * head, bool exact);
-/* The k most likely next tokens (ids, log-probs) at each target's row, best first. */
+/* The k most likely next tokens (ids, log-probs) at each target's row, best first, and the
+ * targets' own log-probs when target_logp is not NULL. */
 rg_status rg_head_topk(rg_head * head, struct ggml_tensor * hidden, const rg_batch * batch, int k,
-                       int32_t * ids_out, float * logp_out);
+                       int32_t * ids_out, float * logp_out, float * target_logp);
 
 /* helpers -------------------------------------------------------------------------------- */
 bool rg_backend_is_host(ggml_backend_t backend);

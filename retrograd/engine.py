@@ -111,7 +111,8 @@ class Teacher:
         return self.model.info
 
     def topk(self, batch: Batch, k: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.engine.topk(None, batch, k)
+        ids, logp, _ = self.engine.topk(None, batch, k)
+        return ids, logp
 
     def close(self) -> None:
         self.engine.close()

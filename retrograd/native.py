@@ -420,15 +420,19 @@ class Engine:
             _ptr(hid, "float *") if hid is not None else ffi.NULL))
         return LossInputs(logp, ent, hid)
 
-    def topk(self, lora: Lora | None, batch: Batch, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def topk(self, lora: Lora | None, batch: Batch, k: int,
+             targets: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """For each target's row, the k most likely next tokens: ids [n_targets, k] int32 and
-        their log-probs [n_targets, k] float32, best first (the target ids are not used)."""
+        their log-probs [n_targets, k] float32, best first; with targets=True also the targets'
+        own log-probs [n_targets] from the same pass (as forward gives them)."""
         n = batch.n_targets
         ids = np.zeros((max(n, 1), k), np.int32)
         lp = np.zeros((max(n, 1), k), np.float32)
+        tlp = np.zeros(max(n, 1), np.float32) if targets else None
         _check(lib.rg_engine_topk(self._ptr, lora._ptr if lora is not None else ffi.NULL, batch._c(), k,
-                                  _ptr(ids, "int32_t *"), _ptr(lp, "float *")))
-        return ids[:n], lp[:n]
+                                  _ptr(ids, "int32_t *"), _ptr(lp, "float *"),
+                                  _ptr(tlp, "float *") if targets else ffi.NULL))
+        return ids[:n], lp[:n], (tlp[:n] if targets else None)
 
     def accumulate(self, lora: Lora, batch: Batch, fn: CoeffFn, entropy: bool = False,
                    hidden: bool = False) -> np.ndarray:

@@ -84,10 +84,12 @@ def test_topk_matches_the_full_distribution(tiny):
     batch = native.Batch.next_token(toks, np.array([0] * 8 + [1] * 6, np.int32))
     full = _all_logp(tr, batch)
     np.testing.assert_allclose(np.exp(full).sum(1), 1.0, rtol=1e-5)
-    ids, lp = tr.engine.topk(tr.lora, batch, 5)
+    ids, lp, _ = tr.engine.topk(tr.lora, batch, 5)
     np.testing.assert_array_equal(ids, np.argsort(-full, axis=1, kind="stable")[:, :5])
     np.testing.assert_allclose(lp, np.take_along_axis(full, ids, 1), atol=2e-5)
-    base_ids, _ = tr.engine.topk(None, batch, 5)
+    _, _, own = tr.engine.topk(tr.lora, batch, 1, targets=True)      # the targets' log-probs, same pass
+    np.testing.assert_allclose(own, tr.logprobs(batch).logp, atol=2e-5)
+    base_ids, _, _ = tr.engine.topk(None, batch, 5)
     assert not np.array_equal(base_ids, ids)          # the adapter is applied, or not, as asked
     with pytest.raises(native.NativeError, match="k must be"):
         tr.engine.topk(None, batch, 0)

@@ -161,12 +161,12 @@ def evaluate_distill(trainable, source, examples, budget: int, adapter: bool = T
             continue
         ids, tlp = source.targets(group, batch)
         k = ids.shape[1]
-        lp = trainable.engine.forward(lora, expand(batch, ids, True)).logp
+        # one pass: the log-probs of the teacher's tokens and of the data, and the student's top 1
+        top1, _, lp = trainable.engine.topk(lora, expand(batch, ids, True), 1, targets=True)
         _, _, rows = topk_divergence(lp[:n * k].reshape(n, k), tlp, "forward_kl", 1.0)
         kl += rows.sum()
         nll_sum += -lp[n * k:].astype(np.float64).sum()
-        top1, _ = trainable.engine.topk(lora, batch, 1)
-        agree += int((top1[:, 0] == ids[:, 0]).sum())
+        agree += int((top1[n * k:, 0] == ids[:, 0]).sum())      # the data targets are one per row, in order
         count += n
     count = max(count, 1)
     out = {"eval_nll": nll_sum / count, "eval_ppl": math.exp(min(nll_sum / count, 50.0)),
