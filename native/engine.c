@@ -21,6 +21,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* op kinds as counted by profiling and preflight: ggml ops, then unary ops */
+#define RG_OP_KEYS (GGML_OP_COUNT + GGML_UNARY_OP_COUNT)
+
 struct rg_engine {
     rg_model           * model;
     ggml_backend_sched_t sched;
@@ -33,9 +36,13 @@ struct rg_engine {
     bool                 exact_ops;
     int                  matmul_mode;
     bool                 profiling;
-    double               prof_ms[GGML_OP_COUNT + GGML_UNARY_OP_COUNT];
-    int                  prof_n[GGML_OP_COUNT + GGML_UNARY_OP_COUNT];
+    double               prof_ms[RG_OP_KEYS];
+    int64_t              prof_n[RG_OP_KEYS];
     double               prof_last;
+    /* the last preflight: pre_n op kinds (in ggml op order) with their unsupported nodes */
+    int                  pre_n;
+    int                  pre_count[RG_OP_KEYS];
+    const char         * pre_name[RG_OP_KEYS];
     rg_timings           timings;
 };
 
@@ -59,26 +66,33 @@ static size_t graph_size_for(const rg_model * m) {
     return 4096 + (size_t) m->hp.n_layer * 1024;
 }
 
-rg_status rg_engine_init(rg_model * model, rg_engine ** out) {
-    *out = NULL;
-    rg_engine * e = calloc(1, sizeof(*e));
+/* Everything an engine holds; on failure the caller frees what was made. */
+static rg_status engine_setup(rg_engine * e, rg_model * model) {
     e->model = model;
     e->graph_size = graph_size_for(model);
     e->head_budget = (size_t) 512 << 20;
     ggml_backend_t backends[2] = { model->backend, model->backend_cpu };
     const int n_backends = model->backend_cpu != model->backend ? 2 : 1;
     e->sched = ggml_backend_sched_new(backends, NULL, n_backends, e->graph_size, false, false);
-    if (!e->sched) {
-        free(e);
-        return rg_fail(RG_ERR_DEVICE, "could not create the backend scheduler");
-    }
+    if (!e->sched) return rg_fail(RG_ERR_DEVICE, "could not create the backend scheduler");
     e->opt_galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(model->backend));
+    if (!e->opt_galloc) return rg_fail(RG_ERR_NOMEM, "could not create the optimizer's graph allocator");
     e->head = rg_head_new(model);
+    if (!e->head) return RG_ERR_NOMEM;
     /* tensors and graphs of one build: forward + backward + rewrite */
     e->ctx_mem_size = ggml_tensor_overhead() * e->graph_size * 4 + ggml_graph_overhead_custom(e->graph_size, true) * 2;
-    e->ctx_mem = malloc(e->ctx_mem_size);
-    *out = e;
-    return RG_OK;
+    e->ctx_mem = rg_malloc(e->ctx_mem_size, "the graph metadata");
+    return e->ctx_mem ? RG_OK : RG_ERR_NOMEM;
+}
+
+rg_status rg_engine_init(rg_model * model, rg_engine ** out) {
+    *out = NULL;
+    rg_engine * e = rg_calloc(1, sizeof(*e), "the engine");
+    if (!e) return RG_ERR_NOMEM;
+    const rg_status st = engine_setup(e, model);
+    if (st == RG_OK) *out = e;
+    else rg_engine_free(e);
+    return st;
 }
 
 void rg_engine_free(rg_engine * e) {
@@ -101,56 +115,91 @@ void rg_engine_set_head_budget(rg_engine * e, size_t bytes) { e->head_budget = b
 
 void rg_engine_get_timings(const rg_engine * e, rg_timings * out) { *out = e->timings; }
 
-static rg_status check_batch(const rg_model * m, const rg_batch * b) {
-    if (!b || b->n_tokens <= 0) return rg_fail(RG_ERR_ARG, "empty batch");
-    if (b->n_targets < 0) return rg_fail(RG_ERR_ARG, "negative target count");
-    for (int i = 0; i < b->n_tokens; i++) {
-        if (b->tokens[i] < 0 || b->tokens[i] >= m->hp.n_vocab) {
-            return rg_fail(RG_ERR_ARG, "token %d at row %d is outside the vocabulary of %d", b->tokens[i], i, m->hp.n_vocab);
-        }
-        if (b->positions[i] < 0) return rg_fail(RG_ERR_ARG, "negative position at row %d", i);
-    }
-    return RG_OK;
-}
-
 /* Micro-batches are padded to a multiple of RG_PAD_TOKENS rows, each pad row a sequence of its
  * own. The attention matmuls then see the same row lengths llama.cpp's padded KV cache gives
  * them, so the same SIMD summation order: without it, rounding differences get amplified by the
  * 8-bit activation quantization of later matmuls into ~0.03 nats of per-token noise. */
 #define RG_PAD_TOKENS 32
 
+_Static_assert(RG_NO_PREFIX == INT32_MIN, "RG_NO_PREFIX must be INT32_MIN (retrograd.batch.NO_PREFIX)");
+
+static int cmp_i32(const void * a, const void * b) {
+    const int32_t x = *(const int32_t *) a, y = *(const int32_t *) b;
+    return (x > y) - (x < y);
+}
+
+/* every prefix id is RG_NO_PREFIX or a sequence id of the batch */
+static rg_status check_prefixes(const rg_batch * b) {
+    if (!b->prefix_ids) return RG_OK;
+    const size_t n = (size_t) b->n_tokens;
+    int32_t * seqs = rg_malloc(sizeof(int32_t) * n, "the batch's sorted sequence ids");
+    if (!seqs) return RG_ERR_NOMEM;
+    memcpy(seqs, b->seq_ids, sizeof(int32_t) * n);
+    qsort(seqs, n, sizeof(int32_t), cmp_i32);
+    rg_status st = RG_OK;
+    for (int i = 0; i < b->n_tokens; i++) {
+        const int32_t p = b->prefix_ids[i];
+        if (p != RG_NO_PREFIX && !bsearch(&p, seqs, n, sizeof(int32_t), cmp_i32)) {
+            st = rg_fail(RG_ERR_ARG, "prefix id %d at row %d is neither RG_NO_PREFIX nor a sequence id of the batch", p, i);
+            break;
+        }
+    }
+    free(seqs);
+    return st;
+}
+
+static rg_status check_batch(const rg_model * m, const rg_batch * b) {
+    if (!b || b->n_tokens <= 0) return rg_fail(RG_ERR_ARG, "empty batch");
+    if (b->n_targets < 0) return rg_fail(RG_ERR_ARG, "negative target count");
+    if (!b->tokens || !b->positions || !b->seq_ids) return rg_fail(RG_ERR_ARG, "batch without tokens, positions or sequence ids");
+    if (b->n_targets > 0 && (!b->target_rows || !b->target_ids)) return rg_fail(RG_ERR_ARG, "batch without target rows or ids");
+    for (int i = 0; i < b->n_tokens; i++) {
+        if (b->tokens[i] < 0 || b->tokens[i] >= m->hp.n_vocab) {
+            return rg_fail(RG_ERR_ARG, "token %d at row %d is outside the vocabulary of %d", b->tokens[i], i, m->hp.n_vocab);
+        }
+        if (b->positions[i] < 0) return rg_fail(RG_ERR_ARG, "negative position at row %d", i);
+        /* the pad rows take the ids just below the smallest one, and none may reach RG_NO_PREFIX */
+        if (b->seq_ids[i] <= RG_NO_PREFIX + RG_PAD_TOKENS) {
+            return rg_fail(RG_ERR_ARG, "sequence id %d at row %d is reserved (too close to RG_NO_PREFIX)", b->seq_ids[i], i);
+        }
+    }
+    return check_prefixes(b);
+}
+
 typedef struct {
     rg_batch  b;
     int32_t * owned;
 } rg_padded;
 
-static void pad_batch(const rg_batch * in, rg_padded * out) {
+static rg_status pad_batch(const rg_batch * in, rg_padded * out) {
     out->b = *in;
     out->owned = NULL;
     const int T = in->n_tokens;
     const int Tp = (T + RG_PAD_TOKENS - 1) / RG_PAD_TOKENS * RG_PAD_TOKENS;
-    if (Tp == T) return;
-    out->owned = malloc(sizeof(int32_t) * 4 * (size_t) Tp);
+    if (Tp == T) return RG_OK;
+    out->owned = rg_malloc(sizeof(int32_t) * 4 * (size_t) Tp, "the padded batch");
+    if (!out->owned) return RG_ERR_NOMEM;
     int32_t * tok = out->owned, * pos = tok + Tp, * seq = pos + Tp, * pre = seq + Tp;
     int32_t min_seq = 0;
     for (int i = 0; i < T; i++) {
         tok[i] = in->tokens[i];
         pos[i] = in->positions[i];
         seq[i] = in->seq_ids[i];
-        pre[i] = in->prefix_ids ? in->prefix_ids[i] : INT32_MIN;
+        pre[i] = in->prefix_ids ? in->prefix_ids[i] : RG_NO_PREFIX;
         if (seq[i] < min_seq) min_seq = seq[i];
     }
     for (int i = T; i < Tp; i++) {
         tok[i] = 0;
         pos[i] = 0;
         seq[i] = min_seq - 1 - (i - T);
-        pre[i] = INT32_MIN;
+        pre[i] = RG_NO_PREFIX;
     }
     out->b.n_tokens = Tp;
     out->b.tokens = tok;
     out->b.positions = pos;
     out->b.seq_ids = seq;
     out->b.prefix_ids = pre;
+    return RG_OK;
 }
 
 /* ---- graph building ------------------------------------------------------------------------ */
@@ -262,6 +311,7 @@ static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, bool tra
     memset(o, 0, sizeof(*o));
     struct ggml_init_params ip = { e->ctx_mem_size, e->ctx_mem, true };
     o->ctx = ggml_init(ip);
+    if (!o->ctx) return rg_fail(RG_ERR_NOMEM, "out of host memory for a graph context");
     o->b.model = e->model;
     o->b.lora = lora;
     o->b.ctx = o->ctx;
@@ -290,7 +340,11 @@ static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, bool tra
     struct ggml_cgraph * gf = ggml_new_graph_custom(o->ctx, e->graph_size, true);
     ggml_build_forward_expand(gf, loss);
     const int n_fwd = ggml_graph_n_nodes(gf);
-    struct ggml_tensor ** accs = calloc((size_t) n_fwd, sizeof(*accs));
+    struct ggml_tensor ** accs = rg_calloc((size_t) n_fwd, sizeof(*accs), "the gradient accumulators");
+    if (!accs) {
+        ggml_free(o->ctx);
+        return RG_ERR_NOMEM;
+    }
     int n_params = 0;
     for (int i = 0; i < n_fwd; i++) {
         struct ggml_tensor * node = ggml_graph_node(gf, i);
@@ -321,16 +375,17 @@ static rg_status alloc_and_set_inputs(rg_engine * e, rg_built * o, const rg_batc
         return rg_fail(RG_ERR_COMPUTE, "could not allocate the compute graph (%d tokens): out of memory?", batch->n_tokens);
     }
     const int T = batch->n_tokens;
+    const size_t TT = (size_t) T * (size_t) T;
+    float * mask = rg_malloc(sizeof(float) * TT * (o->b.inp_mask_swa ? 2 : 1), "the attention masks");
+    if (!mask) return RG_ERR_NOMEM;
+    float * mask_swa = o->b.inp_mask_swa ? mask + TT : NULL;
     ggml_backend_tensor_set(o->b.inp_tokens, batch->tokens, 0, sizeof(int32_t) * (size_t) T);
     ggml_backend_tensor_set(o->b.inp_pos, batch->positions, 0, sizeof(int32_t) * (size_t) T);
-    float * mask = malloc(sizeof(float) * (size_t) T * (size_t) T);
-    float * mask_swa = o->b.inp_mask_swa ? malloc(sizeof(float) * (size_t) T * (size_t) T) : NULL;
     rg_fill_masks(&e->model->hp, batch, mask, mask_swa);
     /* a mask no layer uses (all layers local, or all global) is not allocated */
     if (o->b.inp_mask->buffer) ggml_backend_tensor_set(o->b.inp_mask, mask, 0, ggml_nbytes(o->b.inp_mask));
     if (mask_swa && o->b.inp_mask_swa->buffer) ggml_backend_tensor_set(o->b.inp_mask_swa, mask_swa, 0, ggml_nbytes(o->b.inp_mask_swa));
     free(mask);
-    free(mask_swa);
     if (o->loss_grad) {
         const float one = 1.0f;
         ggml_backend_tensor_set(o->loss_grad, &one, 0, sizeof(float));
@@ -340,12 +395,42 @@ static rg_status alloc_and_set_inputs(rg_engine * e, rg_built * o, const rg_batc
     return RG_OK;
 }
 
+/* the hidden states in host memory: the tensor's own data, or a copy in *owned (NULL with the
+ * error set when that cannot be allocated) */
 static float * hidden_to_host(struct ggml_tensor * hidden, float ** owned) {
     *owned = NULL;
     if (ggml_backend_buffer_is_host(hidden->buffer)) return (float *) hidden->data;
-    *owned = malloc(ggml_nbytes(hidden));
-    ggml_backend_tensor_get(hidden, *owned, 0, ggml_nbytes(hidden));
+    *owned = rg_malloc(ggml_nbytes(hidden), "a host copy of the hidden states");
+    if (*owned) ggml_backend_tensor_get(hidden, *owned, 0, ggml_nbytes(hidden));
     return *owned;
+}
+
+/* ---- one micro-batch's graph ---------------------------------------------------------------- */
+/* A checked, padded batch with its graph built and allocated and its inputs set. */
+typedef struct {
+    rg_padded pb;
+    rg_built  o;
+    int32_t   n_real;     /* rows before padding */
+} rg_prepared;
+
+static void release(rg_engine * e, rg_prepared * p) {
+    ggml_backend_sched_reset(e->sched);
+    ggml_free(p->o.ctx);
+    free(p->pb.owned);
+}
+
+/* On failure nothing is left to release. */
+static rg_status prepare(rg_engine * e, rg_lora * lora, const rg_batch * batch, bool train, rg_prepared * p) {
+    rg_status st = check_batch(e->model, batch);
+    if (st) return st;
+    p->n_real = batch->n_tokens;
+    if ((st = pad_batch(batch, &p->pb))) return st;
+    if ((st = build(e, lora, p->pb.b.n_tokens, train, &p->o))) {
+        free(p->pb.owned);
+        return st;
+    }
+    if ((st = alloc_and_set_inputs(e, &p->o, &p->pb.b))) release(e, p);
+    return st;
 }
 
 /* ---- forward only ---------------------------------------------------------------------------- */
@@ -353,34 +438,26 @@ static float * hidden_to_host(struct ggml_tensor * hidden, float ** owned) {
 static rg_status forward_impl(rg_engine * e, rg_lora * lora, const rg_batch * batch, float * logp_out,
                               float * entropy_out, float * hidden_out, int topk, int32_t * topk_ids,
                               float * topk_logp) {
-    rg_status st = check_batch(e->model, batch);
+    rg_prepared p;
+    rg_status st = prepare(e, lora, batch, false, &p);
     if (st) return st;
-    const int32_t n_real = batch->n_tokens;
-    rg_padded pb;
-    pad_batch(batch, &pb);
-    batch = &pb.b;
-    rg_built o;
-    if ((st = build(e, lora, batch->n_tokens, false, &o))) { free(pb.owned); return st; }
-    st = alloc_and_set_inputs(e, &o, batch);
-    if (st == RG_OK) {
-        const double t0 = rg_now_ms();
-        ggml_backend_sched_set_eval_callback(e->sched, NULL, NULL);
-        if (ggml_backend_sched_graph_compute(e->sched, o.gf) != GGML_STATUS_SUCCESS) {
-            st = rg_fail(RG_ERR_COMPUTE, "forward computation failed");
-        }
-        e->timings.forward_ms += rg_now_ms() - t0;
+    batch = &p.pb.b;
+    const rg_built * o = &p.o;
+    const double t0 = rg_now_ms();
+    ggml_backend_sched_set_eval_callback(e->sched, NULL, NULL);
+    if (ggml_backend_sched_graph_compute(e->sched, o->gf) != GGML_STATUS_SUCCESS) {
+        st = rg_fail(RG_ERR_COMPUTE, "forward computation failed");
     }
+    e->timings.forward_ms += rg_now_ms() - t0;
     if (st == RG_OK && batch->n_targets > 0) {
-        st = topk > 0 ? rg_head_topk(e->head, o.b.hidden, batch, topk, topk_ids, topk_logp, logp_out)
-                      : rg_head_forward(e->head, o.b.hidden, batch, logp_out, entropy_out, false, 0);
+        st = topk > 0 ? rg_head_topk(e->head, o->b.hidden, batch, topk, topk_ids, topk_logp, logp_out)
+                      : rg_head_forward(e->head, o->b.hidden, batch, logp_out, entropy_out, false, 0);
         e->timings.head_ms += rg_head_ms(e->head, true);
     }
     if (st == RG_OK && hidden_out) {
-        ggml_backend_tensor_get(o.b.hidden, hidden_out, 0, (size_t) n_real * o.b.hidden->nb[1]);
+        ggml_backend_tensor_get(o->b.hidden, hidden_out, 0, (size_t) p.n_real * o->b.hidden->nb[1]);
     }
-    ggml_backend_sched_reset(e->sched);
-    ggml_free(o.ctx);
-    free(pb.owned);
+    release(e, &p);
     return st;
 }
 
@@ -416,13 +493,15 @@ static bool on_node(struct ggml_tensor * t, bool ask, void * user) {
     const int K = batch->n_targets, T = r->n_real, D = e->model->hp.n_embd;
     e->timings.forward_ms += rg_now_ms() - r->t_start;
 
-    float * entropy = r->want_entropy ? calloc((size_t) (K > 0 ? K : 1), sizeof(float)) : NULL;
-    float * coeff = calloc((size_t) (K > 0 ? K : 1), sizeof(float));
-    float * hgrad = r->want_hidden ? calloc((size_t) T * D, sizeof(float)) : NULL;
+    const size_t nk = (size_t) (K > 0 ? K : 1);
+    float * coeff = rg_calloc(nk, sizeof(float), "the loss coefficients");
+    float * entropy = r->want_entropy ? rg_calloc(nk, sizeof(float), "the entropies") : NULL;
+    float * hgrad = r->want_hidden ? rg_calloc((size_t) T * D, sizeof(float), "the hidden-state gradient") : NULL;
     float * hidden_owned = NULL;
     const float * hidden = r->want_hidden ? hidden_to_host(r->hidden, &hidden_owned) : NULL;
     rg_status st = RG_OK;
-    if (K > 0) st = rg_head_forward(e->head, r->hidden, batch, r->logp, entropy, true, e->head_budget);
+    if (!coeff || (r->want_entropy && !entropy) || (r->want_hidden && (!hgrad || !hidden))) st = RG_ERR_NOMEM;
+    if (st == RG_OK && K > 0) st = rg_head_forward(e->head, r->hidden, batch, r->logp, entropy, true, e->head_budget);
     if (st == RG_OK) {
         const int rc = r->fn(r->user, K, r->logp, entropy, coeff, T, D, hidden, hgrad);
         if (rc != 0) st = rg_fail(RG_ERR_CALLBACK, "the loss callback failed (code %d)", rc);
@@ -442,11 +521,15 @@ static bool on_node(struct ggml_tensor * t, bool ask, void * user) {
     }
     if (st == RG_OK && hgrad) {
         const size_t nb = (size_t) T * D * sizeof(float);
-        float * g = malloc(nb);
-        ggml_backend_tensor_get(r->grad_hidden, g, 0, nb);
-        for (size_t i = 0; i < (size_t) T * D; i++) g[i] += hgrad[i];
-        ggml_backend_tensor_set(r->grad_hidden, g, 0, nb);
-        free(g);
+        float * g = rg_malloc(nb, "the combined hidden-state gradient");
+        if (!g) {
+            st = RG_ERR_NOMEM;
+        } else {
+            ggml_backend_tensor_get(r->grad_hidden, g, 0, nb);
+            for (size_t i = 0; i < (size_t) T * D; i++) g[i] += hgrad[i];
+            ggml_backend_tensor_set(r->grad_hidden, g, 0, nb);
+            free(g);
+        }
     }
     e->timings.head_ms += rg_head_ms(e->head, true);
     free(entropy);
@@ -465,27 +548,19 @@ rg_status rg_engine_accumulate(rg_engine * e, rg_lora * lora, const rg_batch * b
                                float * logp_out) {
     if (!lora) return rg_fail(RG_ERR_ARG, "training needs a LoRA adapter");
     if (lora->model != e->model) return rg_fail(RG_ERR_ARG, "the LoRA adapter belongs to another model");
-    rg_status st = check_batch(e->model, batch);
+    rg_prepared p;
+    rg_status st = prepare(e, lora, batch, true, &p);
     if (st) return st;
-    const int32_t n_real = batch->n_tokens;
-    rg_padded pb;
-    pad_batch(batch, &pb);
-    batch = &pb.b;
-    rg_built o;
-    if ((st = build(e, lora, batch->n_tokens, true, &o))) { free(pb.owned); return st; }
-    if ((st = alloc_and_set_inputs(e, &o, batch))) {
-        ggml_free(o.ctx);
-        free(pb.owned);
-        return st;
-    }
+    batch = &p.pb.b;
+    const rg_built * o = &p.o;
     rg_run r = {
-        .e = e, .batch = batch, .n_real = n_real, .hidden = o.b.hidden, .grad_hidden = o.grad_hidden, .fn = fn, .user = user,
+        .e = e, .batch = batch, .n_real = p.n_real, .hidden = o->b.hidden, .grad_hidden = o->grad_hidden, .fn = fn, .user = user,
         .want_entropy = want_entropy, .want_hidden = want_hidden, .logp = logp_out, .status = RG_OK,
     };
     r.t_start = rg_now_ms();
     e->prof_last = r.t_start;
     ggml_backend_sched_set_eval_callback(e->sched, on_node, &r);
-    const enum ggml_status gs = ggml_backend_sched_graph_compute(e->sched, o.gf);
+    const enum ggml_status gs = ggml_backend_sched_graph_compute(e->sched, o->gf);
     ggml_backend_sched_set_eval_callback(e->sched, NULL, NULL);
     const double t1 = rg_now_ms();
     if (r.t_hidden > 0) e->timings.backward_ms += t1 - r.t_hidden;
@@ -496,17 +571,18 @@ rg_status rg_engine_accumulate(rg_engine * e, rg_lora * lora, const rg_batch * b
     } else if (r.t_hidden == 0) {
         st = rg_fail(RG_ERR_COMPUTE, "the scheduler never reached the hidden state");
     }
-    ggml_backend_sched_reset(e->sched);
-    ggml_free(o.ctx);
-    free(pb.owned);
+    release(e, &p);
     return st;
 }
 
 /* ---- optimizer ------------------------------------------------------------------------------ */
+/* NULL (error set) when host memory runs out */
 static struct ggml_context * opt_ctx(const rg_lora * l) {
     const size_t n = (size_t) l->n_pairs * 2 * 6 + 16;
     struct ggml_init_params ip = { ggml_tensor_overhead() * n + ggml_graph_overhead_custom(n, false), NULL, true };
-    return ggml_init(ip);
+    struct ggml_context * ctx = ggml_init(ip);
+    if (!ctx) rg_fail(RG_ERR_NOMEM, "out of host memory for the optimizer graph");
+    return ctx;
 }
 
 static size_t opt_graph_size(const rg_lora * l) { return (size_t) l->n_pairs * 2 * 6 + 16; }
@@ -515,10 +591,9 @@ rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float 
     const double t0 = rg_now_ms();
     if (p->step < 1) return rg_fail(RG_ERR_ARG, "AdamW step must be >= 1, got %lld", (long long) p->step);
     const int n = 2 * l->n_pairs;
-    struct ggml_tensor ** grads = malloc(sizeof(*grads) * (size_t) n);
-    struct ggml_tensor ** params = malloc(sizeof(*params) * (size_t) n);
-    struct ggml_tensor ** ms = malloc(sizeof(*ms) * (size_t) n);
-    struct ggml_tensor ** vs = malloc(sizeof(*vs) * (size_t) n);
+    struct ggml_tensor ** grads = rg_malloc(sizeof(*grads) * 4 * (size_t) n, "the optimizer's tensor lists");
+    if (!grads) return RG_ERR_NOMEM;
+    struct ggml_tensor ** params = grads + n, ** ms = params + n, ** vs = ms + n;
     for (int i = 0; i < n; i++) {
         const rg_lora_slotset * s = i % 2 == 0 ? &l->pairs[i / 2].a : &l->pairs[i / 2].b;
         params[i] = s->t[RG_SLOT_PARAM];
@@ -529,33 +604,36 @@ rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float 
     rg_status st = RG_OK;
 
     /* global norm of the accumulated gradient */
-    struct ggml_context * ctx = opt_ctx(l);
-    struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, opt_graph_size(l), false);
-    struct ggml_tensor * total = NULL;
-    for (int i = 0; i < n; i++) {
-        struct ggml_tensor * s = ggml_sum(ctx, ggml_sqr(ctx, grads[i]));
-        total = total ? ggml_add(ctx, total, s) : s;
-    }
-    ggml_set_output(total);
-    ggml_build_forward_expand(gf, total);
     float sq = 0;
-    if (!ggml_gallocr_alloc_graph(e->opt_galloc, gf) ||
-        ggml_backend_graph_compute(e->model->backend, gf) != GGML_STATUS_SUCCESS) {
-        st = rg_fail(RG_ERR_COMPUTE, "gradient norm computation failed");
-    } else {
-        ggml_backend_tensor_get(total, &sq, 0, sizeof(float));
+    struct ggml_context * ctx = opt_ctx(l);
+    if (!ctx) st = RG_ERR_NOMEM;
+    if (ctx) {
+        struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, opt_graph_size(l), false);
+        struct ggml_tensor * total = NULL;
+        for (int i = 0; i < n; i++) {
+            struct ggml_tensor * s = ggml_sum(ctx, ggml_sqr(ctx, grads[i]));
+            total = total ? ggml_add(ctx, total, s) : s;
+        }
+        ggml_set_output(total);
+        ggml_build_forward_expand(gf, total);
+        if (!ggml_gallocr_alloc_graph(e->opt_galloc, gf) ||
+            ggml_backend_graph_compute(e->model->backend, gf) != GGML_STATUS_SUCCESS) {
+            st = rg_fail(RG_ERR_COMPUTE, "gradient norm computation failed");
+        } else {
+            ggml_backend_tensor_get(total, &sq, 0, sizeof(float));
+        }
+        ggml_free(ctx);
     }
-    ggml_free(ctx);
     const float norm = sqrtf(sq) * fabsf(p->grad_scale);
     if (grad_norm_out) *grad_norm_out = norm;
     if (st == RG_OK && !isfinite(norm)) {
         st = rg_fail(RG_ERR_NONFINITE, "the gradient norm is not finite; the update was skipped");
     }
+    float coef = p->grad_scale;
+    if (p->grad_clip > 0 && norm > p->grad_clip) coef *= p->grad_clip / norm;
+    if (st == RG_OK && !(ctx = opt_ctx(l))) st = RG_ERR_NOMEM;
     if (st == RG_OK) {
-        float coef = p->grad_scale;
-        if (p->grad_clip > 0 && norm > p->grad_clip) coef *= p->grad_clip / norm;
-        ctx = opt_ctx(l);
-        gf = ggml_new_graph_custom(ctx, opt_graph_size(l), false);
+        struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, opt_graph_size(l), false);
         struct ggml_tensor * hp = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 7);
         ggml_set_input(hp);
         for (int i = 0; i < n; i++) {
@@ -577,9 +655,6 @@ rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float 
     }
     rg_lora_zero(l, RG_SLOT_GRAD);
     free(grads);
-    free(params);
-    free(ms);
-    free(vs);
     e->timings.optimizer_ms += rg_now_ms() - t0;
     return st;
 }
@@ -587,56 +662,84 @@ rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float 
 /* ---- profiling ------------------------------------------------------------------------------ */
 void rg_engine_set_profiling(rg_engine * e, int on) { e->profiling = on != 0; }
 
-rg_status rg_engine_profile_report(rg_engine * e, char * report, size_t report_size, int reset) {
-    const int n = GGML_OP_COUNT + GGML_UNARY_OP_COUNT;
-    bool done[GGML_OP_COUNT + GGML_UNARY_OP_COUNT] = {0};
-    size_t used = 0;
-    if (report_size) report[0] = 0;
-    for (;;) {
-        int best = -1;
-        for (int k = 0; k < n; k++) {
-            if (!done[k] && e->prof_n[k] && (best < 0 || e->prof_ms[k] > e->prof_ms[best])) best = k;
+static const char * op_key_name(int key) {
+    return key < GGML_OP_COUNT ? ggml_op_name((enum ggml_op) key)
+                               : ggml_unary_op_name((enum ggml_unary_op) (key - GGML_OP_COUNT));
+}
+
+/* the op kinds with tallies, most time first (ties: ggml op order); returns how many */
+static int profile_order(const rg_engine * e, int * order) {
+    int n = 0;
+    for (int k = 0; k < RG_OP_KEYS; k++) {
+        if (!e->prof_n[k]) continue;
+        int i = n++;
+        while (i > 0 && e->prof_ms[order[i - 1]] < e->prof_ms[k]) {
+            order[i] = order[i - 1];
+            i--;
         }
-        if (best < 0) break;
-        done[best] = true;
-        const char * name = best < GGML_OP_COUNT ? ggml_op_name((enum ggml_op) best)
-                                                  : ggml_unary_op_name((enum ggml_unary_op) (best - GGML_OP_COUNT));
-        if (used < report_size) {
-            used += (size_t) snprintf(report + used, report_size - used, "%s %.3f %d\n", name, e->prof_ms[best], e->prof_n[best]);
-        }
+        order[i] = k;
     }
-    if (reset) {
-        memset(e->prof_ms, 0, sizeof(e->prof_ms));
-        memset(e->prof_n, 0, sizeof(e->prof_n));
-    }
+    return n;
+}
+
+int rg_engine_profile_count(const rg_engine * e) {
+    int order[RG_OP_KEYS];
+    return profile_order(e, order);
+}
+
+rg_status rg_engine_profile_get(const rg_engine * e, int index, const char ** op, double * ms, int64_t * count) {
+    int order[RG_OP_KEYS];
+    const int n = profile_order(e, order);
+    if (index < 0 || index >= n) return rg_fail(RG_ERR_ARG, "profile entry %d out of range (%d entries)", index, n);
+    const int k = order[index];
+    if (op) *op = op_key_name(k);
+    if (ms) *ms = e->prof_ms[k];
+    if (count) *count = e->prof_n[k];
     return RG_OK;
 }
 
+void rg_engine_profile_reset(rg_engine * e) {
+    memset(e->prof_ms, 0, sizeof(e->prof_ms));
+    memset(e->prof_n, 0, sizeof(e->prof_n));
+}
+
 /* ---- preflight ------------------------------------------------------------------------------ */
-rg_status rg_engine_preflight(rg_engine * e, rg_lora * lora, int32_t n_tokens, char * report,
-                              size_t report_size, int * n_unsupported) {
-    *n_unsupported = 0;
-    if (report_size) report[0] = 0;
+rg_status rg_engine_preflight(rg_engine * e, rg_lora * lora, int32_t n_tokens, int * n_unsupported) {
+    if (n_unsupported) *n_unsupported = 0;
+    e->pre_n = 0;
     if (n_tokens <= 0) return rg_fail(RG_ERR_ARG, "preflight needs a positive token count");
     rg_built o;
     rg_status st = build(e, lora, n_tokens, lora != NULL, &o);
     if (st) return st;
-    int counts[GGML_OP_COUNT + GGML_UNARY_OP_COUNT] = {0};
-    const char * names[GGML_OP_COUNT + GGML_UNARY_OP_COUNT] = {0};
+    int counts[RG_OP_KEYS] = {0};
+    const char * names[RG_OP_KEYS] = {0};
+    int total = 0;
     for (int i = 0; i < ggml_graph_n_nodes(o.gf); i++) {
         struct ggml_tensor * node = ggml_graph_node(o.gf, i);
         if (ggml_backend_dev_supports_op(e->model->dev, node)) continue;
-        int key = node->op;
-        if (node->op == GGML_OP_UNARY) key = GGML_OP_COUNT + ggml_get_unary_op(node);
+        const int key = op_key(node);
         counts[key]++;
         names[key] = ggml_op_desc(node);
-        (*n_unsupported)++;
+        total++;
     }
-    size_t used = 0;
-    for (int k = 0; k < GGML_OP_COUNT + GGML_UNARY_OP_COUNT; k++) {
-        if (!counts[k] || used >= report_size) continue;
-        used += (size_t) snprintf(report + used, report_size - used, "%s %d\n", names[k], counts[k]);
+    for (int k = 0; k < RG_OP_KEYS; k++) {
+        if (!counts[k]) continue;
+        e->pre_count[e->pre_n] = counts[k];
+        e->pre_name[e->pre_n] = names[k];
+        e->pre_n++;
     }
+    if (n_unsupported) *n_unsupported = total;
     ggml_free(o.ctx);
+    return RG_OK;
+}
+
+int rg_engine_preflight_count(const rg_engine * e) { return e->pre_n; }
+
+rg_status rg_engine_preflight_get(const rg_engine * e, int index, const char ** op, int * count) {
+    if (index < 0 || index >= e->pre_n) {
+        return rg_fail(RG_ERR_ARG, "preflight entry %d out of range (%d entries)", index, e->pre_n);
+    }
+    if (op) *op = e->pre_name[index];
+    if (count) *count = e->pre_count[index];
     return RG_OK;
 }

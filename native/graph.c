@@ -39,7 +39,6 @@ static struct ggml_tensor * rms_norm(rg_graph_build * b, struct ggml_tensor * x,
 /* y = W x (+ scale * B A x) (+ bias) for LoRA target t of layer il. */
 static struct ggml_tensor * linear(rg_graph_build * b, int il, int t, struct ggml_tensor * x,
                                    struct ggml_tensor * bias) {
-    static const char * names[RG_N_TARGETS] = { "q", "k", "v", "o", "gate", "up", "down" };
     struct ggml_context * ctx = b->ctx;
     struct ggml_tensor * w = b->model->layers[il].w[t];
     struct ggml_tensor * y;
@@ -58,8 +57,8 @@ static struct ggml_tensor * linear(rg_graph_build * b, int il, int t, struct ggm
         y = ggml_add(ctx, y, ggml_scale(ctx, bax, b->lora->scale));
     }
     if (bias) y = ggml_add(ctx, y, bias);
-    CHECK_SHAPE(b, y, w->ne[1], x->ne[1], 1, names[t]);
-    return named(y, names[t], il);
+    CHECK_SHAPE(b, y, w->ne[1], x->ne[1], 1, rg_target_name(t));
+    return named(y, rg_target_name(t), il);
 }
 
 /* GELU, tanh approximation, as x * sigmoid(2u) with u = sqrt(2/pi) (x + 0.044715 x^3) and

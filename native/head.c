@@ -44,9 +44,15 @@ struct rg_head {
 };
 
 rg_head * rg_head_new(rg_model * model) {
-    rg_head * h = calloc(1, sizeof(*h));
+    rg_head * h = rg_calloc(1, sizeof(*h), "the LM head");
+    if (!h) return NULL;
     h->model = model;
     h->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(model->backend));
+    if (!h->galloc) {
+        free(h);
+        rg_fail(RG_ERR_NOMEM, "could not create the LM head's graph allocator");
+        return NULL;
+    }
     return h;
 }
 
@@ -82,6 +88,7 @@ static rg_status ensure_store(rg_head * h, int cols) {
     free_store(h);
     struct ggml_init_params ip = { ggml_tensor_overhead() * 2, NULL, true };
     h->store_ctx = ggml_init(ip);
+    if (!h->store_ctx) return rg_fail(RG_ERR_NOMEM, "out of host memory for the LM head softmax store");
     h->store = ggml_new_tensor_2d(h->store_ctx, GGML_TYPE_F32, h->model->hp.n_vocab, cols);
     ggml_set_name(h->store, "head_softmax_store");
     h->store_buf = ggml_backend_alloc_ctx_tensors_from_buft(
@@ -102,9 +109,13 @@ static int cmp_i32(const void * a, const void * b) {
 static rg_status select_rows(rg_head * h, const rg_batch * batch) {
     const int K = batch->n_targets;
     if (K > h->cap_targets) {
+        /* on failure the old arrays (still cap_targets long) stay */
+        int32_t * rows = realloc(h->rows, sizeof(int32_t) * (size_t) K);
+        if (rows) h->rows = rows;
+        int32_t * cols = rows ? realloc(h->col_of_target, sizeof(int32_t) * (size_t) K) : NULL;
+        if (cols) h->col_of_target = cols;
+        if (!rows || !cols) return rg_fail(RG_ERR_NOMEM, "out of host memory for the rows of %d targets", K);
         h->cap_targets = K;
-        h->rows = realloc(h->rows, sizeof(int32_t) * (size_t) K);
-        h->col_of_target = realloc(h->col_of_target, sizeof(int32_t) * (size_t) K);
     }
     for (int k = 0; k < K; k++) {
         const int32_t r = batch->target_rows[k], y = batch->target_ids[k];
@@ -127,13 +138,6 @@ static rg_status select_rows(rg_head * h, const rg_batch * batch) {
     if (h->chunk < 1) h->chunk = 1;
     if (h->chunk > n) h->chunk = n > 0 ? n : 1;
     return RG_OK;
-}
-
-static struct ggml_context * new_ctx(void) {
-    struct ggml_init_params ip = {
-        ggml_tensor_overhead() * HEAD_MAX_NODES + ggml_graph_overhead_custom(HEAD_MAX_NODES, false), NULL, true,
-    };
-    return ggml_init(ip);
 }
 
 static rg_status compute(rg_head * h, struct ggml_cgraph * gf) {
@@ -165,6 +169,26 @@ static struct ggml_tensor * chunk_logits(rg_head * h, struct ggml_context * ctx,
     return logits;
 }
 
+/* the graph of one chunk of selected rows: its own context, and the chunk's logits (with the input
+ * idx of their rows) unless no hidden state is given */
+typedef struct {
+    struct ggml_context * ctx;
+    struct ggml_cgraph  * gf;
+    struct ggml_tensor  * idx, * logits;
+} rg_chunk;
+
+static rg_status chunk_open(rg_head * h, struct ggml_tensor * hidden, int n, rg_chunk * c) {
+    struct ggml_init_params ip = {
+        ggml_tensor_overhead() * HEAD_MAX_NODES + ggml_graph_overhead_custom(HEAD_MAX_NODES, false), NULL, true,
+    };
+    memset(c, 0, sizeof(*c));
+    c->ctx = ggml_init(ip);
+    if (!c->ctx) return rg_fail(RG_ERR_NOMEM, "out of host memory for an LM head graph");
+    c->gf = ggml_new_graph_custom(c->ctx, HEAD_MAX_NODES, false);
+    if (hidden) c->logits = chunk_logits(h, c->ctx, hidden, &c->idx, n);
+    return RG_OK;
+}
+
 rg_status rg_head_forward(rg_head * h, struct ggml_tensor * hidden, const rg_batch * batch,
                           float * logp, float * entropy, bool keep, size_t budget) {
     const double t0 = rg_now_ms();
@@ -173,15 +197,21 @@ rg_status rg_head_forward(rg_head * h, struct ggml_tensor * hidden, const rg_bat
     const int V = h->model->hp.n_vocab;
     const int K = batch->n_targets;
     h->store_valid = false;
+    /* host scratch in one block: per selected row lse, dot; per target tl, flat, which; per chunk
+     * column pm, lm */
+    const size_t nr = (size_t) (h->n_rows > 0 ? h->n_rows : 1), nk = (size_t) (K > 0 ? K : 1);
+    float * scratch = rg_malloc(sizeof(float) * (2 * nr + 3 * nk + 2 * (size_t) h->chunk), "the LM head");
+    if (!scratch) return RG_ERR_NOMEM;
+    float * lse = scratch, * dot = lse + nr, * tl = dot + nr;
+    int32_t * flat = (int32_t *) (tl + nk), * which = flat + nk;
+    float * pm = (float *) (which + nk), * lm = pm + h->chunk;
     if (keep && (size_t) V * (size_t) h->n_rows * sizeof(float) <= budget) {
-        if ((st = ensure_store(h, h->n_rows))) return st;
+        if ((st = ensure_store(h, h->n_rows))) {
+            free(scratch);
+            return st;
+        }
         h->store_valid = true;
     }
-    float * lse = malloc(sizeof(float) * (size_t) h->n_rows);
-    float * dot = malloc(sizeof(float) * (size_t) h->n_rows);
-    int32_t * flat = malloc(sizeof(int32_t) * (size_t) (K > 0 ? K : 1));
-    int32_t * which = malloc(sizeof(int32_t) * (size_t) (K > 0 ? K : 1));
-    float * tl = malloc(sizeof(float) * (size_t) (K > 0 ? K : 1));
     const bool want_entropy = entropy != NULL;
 
     for (int c0 = 0; c0 < h->n_rows && st == RG_OK; c0 += h->chunk) {
@@ -196,10 +226,11 @@ rg_status rg_head_forward(rg_head * h, struct ggml_tensor * hidden, const rg_bat
                 nk++;
             }
         }
-        struct ggml_context * ctx = new_ctx();
-        struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, HEAD_MAX_NODES, false);
-        struct ggml_tensor * idx;
-        struct ggml_tensor * logits = chunk_logits(h, ctx, hidden, &idx, n);
+        rg_chunk c;
+        if ((st = chunk_open(h, hidden, n, &c))) break;
+        struct ggml_context * ctx = c.ctx;
+        struct ggml_cgraph * gf = c.gf;
+        struct ggml_tensor * logits = c.logits;
         struct ggml_tensor * p = ggml_soft_max(ctx, logits);
         ggml_set_name(p, "head_softmax");
         if (h->store_valid) {
@@ -229,13 +260,11 @@ rg_status rg_head_forward(rg_head * h, struct ggml_tensor * hidden, const rg_bat
         ggml_build_forward_expand(gf, lmax);
         st = compute(h, gf);
         if (st == RG_OK) {
-            ggml_backend_tensor_set(idx, h->rows + c0, 0, sizeof(int32_t) * (size_t) n);
+            ggml_backend_tensor_set(c.idx, h->rows + c0, 0, sizeof(int32_t) * (size_t) n);
             if (fidx) ggml_backend_tensor_set(fidx, flat, 0, sizeof(int32_t) * (size_t) nk);
             st = run(h, gf);
         }
         if (st == RG_OK) {
-            float * pm = malloc(sizeof(float) * (size_t) n);
-            float * lm = malloc(sizeof(float) * (size_t) n);
             ggml_backend_tensor_get(pmax, pm, 0, sizeof(float) * (size_t) n);
             ggml_backend_tensor_get(lmax, lm, 0, sizeof(float) * (size_t) n);
             for (int j = 0; j < n; j++) lse[c0 + j] = lm[j] - logf(pm[j]);
@@ -244,8 +273,6 @@ rg_status rg_head_forward(rg_head * h, struct ggml_tensor * hidden, const rg_bat
                 ggml_backend_tensor_get(tgt, tl, 0, sizeof(float) * (size_t) nk);
                 for (int i = 0; i < nk; i++) logp[which[i]] = tl[i] - lse[h->col_of_target[which[i]]];
             }
-            free(pm);
-            free(lm);
         }
         ggml_free(ctx);
     }
@@ -255,11 +282,8 @@ rg_status rg_head_forward(rg_head * h, struct ggml_tensor * hidden, const rg_bat
             entropy[k] = lse[col] - dot[col];
         }
     }
-    free(lse);
-    free(dot);
-    free(flat);
-    free(which);
-    free(tl);
+    if (st != RG_OK) h->store_valid = false;
+    free(scratch);
     h->ms += rg_now_ms() - t0;
     return st;
 }
@@ -287,11 +311,16 @@ rg_status rg_head_backward(rg_head * h, struct ggml_tensor * hidden, struct ggml
     const int V = h->model->hp.n_vocab;
     const int K = batch->n_targets;
     rg_status st = RG_OK;
-    float * csum = calloc((size_t) (h->n_rows > 0 ? h->n_rows : 1), sizeof(float));
+    /* host scratch in one block: per target sidx, sval; per selected row csum; per chunk column negs */
+    const size_t nr = (size_t) (h->n_rows > 0 ? h->n_rows : 1), nk = (size_t) (K > 0 ? K : 1);
+    int64_t * sidx = rg_malloc(sizeof(int64_t) * nk + sizeof(float) * (nk + nr + (size_t) h->chunk), "the LM head gradient");
+    if (!sidx) {
+        h->store_valid = false;
+        return RG_ERR_NOMEM;
+    }
+    float * sval = (float *) (sidx + nk), * csum = sval + nk, * negs = csum + nr;
+    memset(csum, 0, sizeof(float) * nr);
     for (int k = 0; k < K; k++) csum[h->col_of_target[k]] += coeff[k];
-    int64_t * sidx = malloc(sizeof(int64_t) * (size_t) (K > 0 ? K : 1));
-    float * sval = malloc(sizeof(float) * (size_t) (K > 0 ? K : 1));
-    float * negs = malloc(sizeof(float) * (size_t) (h->chunk > 0 ? h->chunk : 1));
 
     for (int c0 = 0; c0 < h->n_rows && st == RG_OK; c0 += h->chunk) {
         const int n = h->n_rows - c0 < h->chunk ? h->n_rows - c0 : h->chunk;
@@ -312,15 +341,14 @@ rg_status rg_head_backward(rg_head * h, struct ggml_tensor * hidden, struct ggml
         }
         for (int j = 0; j < n; j++) negs[j] = -csum[c0 + j];
 
-        struct ggml_context * ctx = new_ctx();
-        struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, HEAD_MAX_NODES, false);
-        struct ggml_tensor * idx = NULL, * ridx;
-        struct ggml_tensor * p;
-        if (h->store_valid) {
-            p = ggml_view_2d(ctx, h->store, V, n, h->store->nb[1], (size_t) c0 * h->store->nb[1]);
-        } else {
-            p = ggml_soft_max(ctx, chunk_logits(h, ctx, hidden, &idx, n));
-        }
+        rg_chunk c;   /* without the store, the softmax is recomputed from the logits */
+        if ((st = chunk_open(h, h->store_valid ? NULL : hidden, n, &c))) break;
+        struct ggml_context * ctx = c.ctx;
+        struct ggml_cgraph * gf = c.gf;
+        struct ggml_tensor * ridx;
+        struct ggml_tensor * p = h->store_valid
+            ? ggml_view_2d(ctx, h->store, V, n, h->store->nb[1], (size_t) c0 * h->store->nb[1])
+            : ggml_soft_max(ctx, c.logits);
         struct ggml_tensor * s = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, n);
         ggml_set_input(s);
         struct ggml_tensor * d = ggml_mul_inplace(ctx, p, s);
@@ -340,7 +368,7 @@ rg_status rg_head_backward(rg_head * h, struct ggml_tensor * hidden, struct ggml
         ggml_build_forward_expand(gf, out);
         st = compute(h, gf);
         if (st == RG_OK) {
-            if (idx) ggml_backend_tensor_set(idx, h->rows + c0, 0, sizeof(int32_t) * (size_t) n);
+            if (c.idx) ggml_backend_tensor_set(c.idx, h->rows + c0, 0, sizeof(int32_t) * (size_t) n);
             ggml_backend_tensor_set(ridx, h->rows + c0, 0, sizeof(int32_t) * (size_t) n);
             ggml_backend_tensor_set(s, negs, 0, sizeof(float) * (size_t) n);
             if (ns > 0) {
@@ -352,10 +380,7 @@ rg_status rg_head_backward(rg_head * h, struct ggml_tensor * hidden, struct ggml
         ggml_free(ctx);
     }
     h->store_valid = false;   /* consumed: the store now holds gradients */
-    free(csum);
     free(sidx);
-    free(sval);
-    free(negs);
     h->ms += rg_now_ms() - t0;
     return st;
 }
@@ -388,25 +413,25 @@ rg_status rg_head_topk(rg_head * h, struct ggml_tensor * hidden, const rg_batch 
     const int K = batch->n_targets;
     if (k < 1 || k > V) return rg_fail(RG_ERR_ARG, "top-k: k = %d outside 1..%d", k, V);
     h->store_valid = false;
-    float * host = malloc(sizeof(float) * (size_t) V * (size_t) h->chunk);
-    int32_t * rid = malloc(sizeof(int32_t) * (size_t) k * (size_t) (h->n_rows > 0 ? h->n_rows : 1));
-    float * rlp = malloc(sizeof(float) * (size_t) k * (size_t) (h->n_rows > 0 ? h->n_rows : 1));
-    float * lses = malloc(sizeof(float) * (size_t) h->chunk);
+    /* host scratch in one block: the logits of a chunk, its rows' lse, per selected row the top k */
+    const size_t nr = (size_t) (h->n_rows > 0 ? h->n_rows : 1), chunk = (size_t) h->chunk;
+    float * host = rg_malloc(sizeof(float) * ((size_t) V * chunk + chunk + 2 * (size_t) k * nr), "the top-k logits");
+    if (!host) return RG_ERR_NOMEM;
+    float * lses = host + (size_t) V * chunk, * rlp = lses + chunk;
+    int32_t * rid = (int32_t *) (rlp + (size_t) k * nr);
     for (int c0 = 0; c0 < h->n_rows && st == RG_OK; c0 += h->chunk) {
         const int n = h->n_rows - c0 < h->chunk ? h->n_rows - c0 : h->chunk;
-        struct ggml_context * ctx = new_ctx();
-        struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, HEAD_MAX_NODES, false);
-        struct ggml_tensor * idx;
-        struct ggml_tensor * logits = chunk_logits(h, ctx, hidden, &idx, n);
-        ggml_set_output(logits);
-        ggml_build_forward_expand(gf, logits);
-        st = compute(h, gf);
+        rg_chunk c;
+        if ((st = chunk_open(h, hidden, n, &c))) break;
+        ggml_set_output(c.logits);
+        ggml_build_forward_expand(c.gf, c.logits);
+        st = compute(h, c.gf);
         if (st == RG_OK) {
-            ggml_backend_tensor_set(idx, h->rows + c0, 0, sizeof(int32_t) * (size_t) n);
-            st = run(h, gf);
+            ggml_backend_tensor_set(c.idx, h->rows + c0, 0, sizeof(int32_t) * (size_t) n);
+            st = run(h, c.gf);
         }
         if (st == RG_OK) {
-            ggml_backend_tensor_get(logits, host, 0, sizeof(float) * (size_t) V * (size_t) n);
+            ggml_backend_tensor_get(c.logits, host, 0, sizeof(float) * (size_t) V * (size_t) n);
             for (int j = 0; j < n; j++) {
                 const float * row = host + (size_t) j * V;
                 int32_t * ids = rid + (size_t) (c0 + j) * k;
@@ -426,7 +451,7 @@ rg_status rg_head_topk(rg_head * h, struct ggml_tensor * hidden, const rg_batch 
                 }
             }
         }
-        ggml_free(ctx);
+        ggml_free(c.ctx);
     }
     if (st == RG_OK) {
         for (int t = 0; t < K; t++) {
@@ -436,9 +461,6 @@ rg_status rg_head_topk(rg_head * h, struct ggml_tensor * hidden, const rg_batch 
         }
     }
     free(host);
-    free(rid);
-    free(rlp);
-    free(lses);
     h->ms += rg_now_ms() - t0;
     return st;
 }

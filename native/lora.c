@@ -12,9 +12,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* the one list of target names: the ABI's short names and llama.cpp's tensor names */
+static const char * k_target_short[RG_N_TARGETS] = { "q", "k", "v", "o", "gate", "up", "down" };
 static const char * k_target_names[RG_N_TARGETS] = {
     "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
 };
+
+const char * rg_target_name(int target) {
+    return target >= 0 && target < RG_N_TARGETS ? k_target_short[target] : NULL;
+}
 
 rg_status rg_lora_init(rg_model * m, uint32_t target_mask, int rank, float alpha, rg_lora ** out) {
     *out = NULL;
@@ -22,7 +28,8 @@ rg_status rg_lora_init(rg_model * m, uint32_t target_mask, int rank, float alpha
     if (target_mask == 0 || target_mask >= (1u << RG_N_TARGETS)) {
         return rg_fail(RG_ERR_ARG, "LoRA target mask 0x%x selects no valid target", target_mask);
     }
-    rg_lora * l = calloc(1, sizeof(*l));
+    rg_lora * l = rg_calloc(1, sizeof(*l), "the LoRA adapter");
+    if (!l) return RG_ERR_NOMEM;
     l->model = m;
     l->rank = rank;
     l->alpha = alpha;
@@ -33,8 +40,12 @@ rg_status rg_lora_init(rg_model * m, uint32_t target_mask, int rank, float alpha
     int n_targets = 0;
     for (int t = 0; t < RG_N_TARGETS; t++) n_targets += (target_mask >> t) & 1;
     const int n_pairs = m->hp.n_layer * n_targets;
-    l->pairs = calloc((size_t) n_pairs, sizeof(*l->pairs));
-    l->names = calloc((size_t) n_pairs * 2, sizeof(*l->names));
+    l->pairs = rg_calloc((size_t) n_pairs, sizeof(*l->pairs), "the LoRA pairs");
+    l->names = l->pairs ? rg_calloc((size_t) n_pairs * 2, sizeof(*l->names), "the LoRA tensor names") : NULL;
+    if (!l->names) {
+        rg_lora_free(l);
+        return RG_ERR_NOMEM;
+    }
 
     struct ggml_init_params ip = {
         .mem_size = ggml_tensor_overhead() * ((size_t) n_pairs * 8 + 8),
@@ -42,6 +53,10 @@ rg_status rg_lora_init(rg_model * m, uint32_t target_mask, int rank, float alpha
         .no_alloc = true,
     };
     l->ctx = ggml_init(ip);
+    if (!l->ctx) {
+        rg_lora_free(l);
+        return rg_fail(RG_ERR_NOMEM, "out of host memory for the LoRA tensor metadata");
+    }
 
     /* three passes so that each slot family ends up in its own buffer */
     for (int slot = 0; slot < 4; slot++) {

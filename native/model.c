@@ -34,6 +34,18 @@ rg_status rg_fail(rg_status status, const char * fmt, ...) {
     return status;
 }
 
+void * rg_malloc(size_t bytes, const char * what) {
+    void * p = malloc(bytes ? bytes : 1);
+    if (!p) rg_fail(RG_ERR_NOMEM, "out of host memory: %zu bytes for %s", bytes, what);
+    return p;
+}
+
+void * rg_calloc(size_t n, size_t size, const char * what) {
+    void * p = calloc(n ? n : 1, size ? size : 1);
+    if (!p) rg_fail(RG_ERR_NOMEM, "out of host memory: %zu x %zu bytes for %s", n, size, what);
+    return p;
+}
+
 double rg_now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -392,8 +404,8 @@ static rg_status load_data(rg_model * m, const char * path) {
     for (int64_t i = 0; i < n_tensors; i++) {
         struct ggml_tensor * t = ggml_get_tensor(m->wctx, gguf_get_tensor_name(m->gguf, i));
         const size_t n = ggml_nbytes(t);
-        if (n > cap) { free(staging); cap = n; staging = malloc(cap); }
-        if (!staging) { close(fd); return rg_fail(RG_ERR_IO, "out of host memory staging '%s'", t->name); }
+        if (n > cap) { free(staging); cap = n; staging = rg_malloc(cap, "staging a weight"); }
+        if (!staging) { close(fd); return RG_ERR_NOMEM; }
         const ssize_t got = pread(fd, staging, n, (off_t) (data_off + gguf_get_tensor_offset(m->gguf, i)));
         if (got != (ssize_t) n) { free(staging); close(fd); return rg_fail(RG_ERR_IO, "%s: short read of '%s'", path, t->name); }
         ggml_backend_tensor_set(t, staging, 0, n);
@@ -410,8 +422,8 @@ rg_status rg_model_init(const char * path, int device_index, int n_threads, rg_m
     if (device_index < 0 || device_index >= rg_device_count()) {
         return rg_fail(RG_ERR_DEVICE, "device index %d out of range (%d devices)", device_index, rg_device_count());
     }
-    rg_model * m = calloc(1, sizeof(*m));
-    if (!m) return rg_fail(RG_ERR_IO, "out of memory");
+    rg_model * m = rg_calloc(1, sizeof(*m), "the model");
+    if (!m) return RG_ERR_NOMEM;
     struct gguf_init_params gp = { .no_alloc = true, .ctx = &m->wctx };
     m->gguf = gguf_init_from_file(path, gp);
     if (!m->gguf) {

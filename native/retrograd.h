@@ -10,7 +10,13 @@
  *
  * Conventions: functions are rg_<thing>_<verb>; objects come in init/free pairs; every fallible
  * call returns an rg_status and leaves a message for rg_last_error(). Nothing here aborts the
- * process on bad input.
+ * process on bad input, and every host allocation made here is checked: running out of memory is
+ * reported as RG_ERR_COMPUTE with the object left as it was (or freed, for an init). (ggml's own
+ * internal allocations are ggml's: it aborts when one of those fails.)
+ *
+ * Constants are the enums below; the Python side reads them from the compiled library (lib.RG_*)
+ * rather than keeping copies. Results of variable size (preflight, profile) are kept in the
+ * engine and read back one entry at a time through typed getters, never as text.
  *
  * The block between RG_CDEF_BEGIN and RG_CDEF_END is fed verbatim to cffi, so it holds plain
  * declarations only (no macros, no includes).
@@ -33,7 +39,7 @@ typedef enum {
     RG_ERR_FORMAT      = 3,  /* a file is not what it claims (GGUF structure, missing tensor) */
     RG_ERR_UNSUPPORTED = 4,  /* an architecture, tensor type or feature we do not handle */
     RG_ERR_DEVICE      = 5,  /* no such device, or a backend could not be initialised */
-    RG_ERR_COMPUTE     = 6,  /* graph allocation or computation failed */
+    RG_ERR_COMPUTE     = 6,  /* graph allocation or computation failed, or host memory ran out */
     RG_ERR_NONFINITE   = 7,  /* a loss or gradient is NaN or infinite */
     RG_ERR_CALLBACK    = 8   /* the caller's coefficient callback reported an error */
 } rg_status;
@@ -43,9 +49,16 @@ enum {
     RG_TARGET_GATE = 4, RG_TARGET_UP = 5, RG_TARGET_DOWN = 6, RG_N_TARGETS = 7
 };
 
+/* Short name of a LoRA target ("q", "k", "v", "o", "gate", "up", "down"), NULL out of range. */
+const char * rg_target_name(int target);
+
 enum { RG_SLOT_PARAM = 0, RG_SLOT_GRAD = 1, RG_SLOT_ADAM_M = 2, RG_SLOT_ADAM_V = 3 };
 
 enum { RG_DEVICE_CPU = 0, RG_DEVICE_GPU = 1, RG_DEVICE_IGPU = 2, RG_DEVICE_ACCEL = 3 };
+
+/* prefix_ids entry of a row that sees only its own sequence: INT32_MIN (written out, since this
+ * block allows no macros) */
+enum { RG_NO_PREFIX = -2147483647 - 1 };
 
 /* Thread-local message describing the last failure in this thread. */
 const char * rg_last_error(void);
@@ -120,6 +133,7 @@ float     rg_lora_scale(const rg_lora * lora);
  * with positions[j] <= positions[i] whose seq_ids[j] is seq_ids[i] or, when prefix_ids is given,
  * prefix_ids[i]: several continuations can share one copy of their prompt (give the prompt rows a
  * seq id of their own and the continuations that id as prefix, positions continuing the prompt's).
+ * Each prefix_ids entry is RG_NO_PREFIX or a seq id that occurs in the batch (else RG_ERR_ARG).
  * A target (row r, id y) asks for log p(y | what row r sees, up to and including row r). */
 typedef struct {
     int32_t         n_tokens;
@@ -197,15 +211,26 @@ typedef struct {
  * RG_ERR_NONFINITE leaves parameters and moments untouched and zeroes the gradients. */
 rg_status rg_engine_adamw(rg_engine * engine, rg_lora * lora, const rg_adamw * params,
                           float * grad_norm_out);
-/* Builds (does not run) the training graph for n_tokens tokens and writes, one per line,
- * "OP count" for every op the model's device cannot run; *n_unsupported gets the total. */
+/* Builds (does not run) the training graph for n_tokens tokens (the forward graph when lora is
+ * NULL) and keeps in the engine, per op kind, how many of its nodes the model's device cannot
+ * run; *n_unsupported (may be NULL) gets the total. The entries, in ggml op order, are read with
+ * rg_engine_preflight_count/_get and stay until the next preflight. */
 rg_status rg_engine_preflight(rg_engine * engine, rg_lora * lora, int32_t n_tokens,
-                              char * report, size_t report_size, int * n_unsupported);
+                              int * n_unsupported);
+int       rg_engine_preflight_count(const rg_engine * engine);
+/* op: the op's name (static storage); count: its unsupported nodes. RG_ERR_ARG out of range. */
+rg_status rg_engine_preflight_get(const rg_engine * engine, int index, const char ** op,
+                                  int * count);
 void      rg_engine_get_timings(const rg_engine * engine, rg_timings * out);
-/* Per-op profiling of training graphs (slower: every node is computed on its own). The report
- * is one "OP milliseconds count" line per op kind, largest first; reset clears the tallies. */
+/* Per-op profiling of training graphs (slower: every node is computed on its own). The tallies
+ * (milliseconds and node count per op kind) add up over accumulate calls until reset; entries
+ * come largest time first. */
 void      rg_engine_set_profiling(rg_engine * engine, int on);
-rg_status rg_engine_profile_report(rg_engine * engine, char * report, size_t report_size, int reset);
+int       rg_engine_profile_count(const rg_engine * engine);
+/* op: the op's name (static storage). RG_ERR_ARG out of range. */
+rg_status rg_engine_profile_get(const rg_engine * engine, int index, const char ** op,
+                                double * ms, int64_t * count);
+void      rg_engine_profile_reset(rg_engine * engine);
 /* RG_CDEF_END */
 
 #ifdef __cplusplus

@@ -20,6 +20,14 @@
 rg_status rg_fail(rg_status status, const char * fmt, ...) __attribute__((format(printf, 2, 3)));
 double    rg_now_ms(void);
 
+/* Running out of host memory is reported as a compute failure (see retrograd.h). */
+#define RG_ERR_NOMEM RG_ERR_COMPUTE
+/* malloc / calloc that, on failure, leave "out of host memory ... for <what>" for rg_last_error()
+ * and return NULL: the caller frees what it holds and returns RG_ERR_NOMEM. Zero bytes allocate
+ * one, so NULL always means failure. */
+void * rg_malloc(size_t bytes, const char * what);
+void * rg_calloc(size_t n, size_t size, const char * what);
+
 typedef enum { RG_ARCH_LLAMA, RG_ARCH_QWEN2, RG_ARCH_QWEN3, RG_ARCH_GEMMA3 } rg_arch;
 
 typedef struct {

@@ -10,12 +10,14 @@ path of RL, where the adapter is re-serialised after each step.
 from __future__ import annotations
 
 import io
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from retrograd.errors import RetrogradError
+from retrograd.fsutil import atomic_write
 
 ALIGN = 32
 _T_UINT32, _T_FLOAT32, _T_STRING = 4, 6, 8
@@ -60,14 +62,7 @@ def to_bytes(arch: str, alpha: float, tensors: dict[str, np.ndarray], name: str 
 
 def write(path: Path, data: bytes) -> None:
     """Atomic: a kill at any moment leaves either the old file or the new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, data)
 
 
 @dataclass
@@ -78,7 +73,7 @@ class AdapterFile:
     tensors: dict[str, np.ndarray]
 
 
-class AdapterError(ValueError):
+class AdapterError(RetrogradError, ValueError):
     pass
 
 

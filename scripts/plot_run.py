@@ -6,7 +6,7 @@
 import sys
 from pathlib import Path
 
-from retrograd.trainer import plot_run
+from retrograd.report import plot_run
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or not (Path(sys.argv[1]) / "metrics.jsonl").exists():

@@ -20,7 +20,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 pip=(.venv/bin/python -m pip -q --disable-pip-version-check)
-"${pip[@]}" install --upgrade pip "setuptools>=68" wheel "cffi>=1.16" 2>&1 | sed '/is ignored/d'
+"${pip[@]}" install --upgrade pip "setuptools>=77" wheel "cffi>=1.16" 2>&1 | sed '/is ignored/d'
 version=$(.venv/bin/python -c 'exec(open("retrograd/_pins.py").read()); print(LLAMA_CPP_PYTHON_VERSION)')
 if ! .venv/bin/python -c "import importlib.metadata as m; assert m.version('llama-cpp-python') == '$version'" 2>/dev/null; then
   echo "building llama-cpp-python $version (about 10 minutes on 2 cores the first time)..."
@@ -33,8 +33,8 @@ extras=""
 "${pip[@]}" install --no-build-isolation -e ".$extras" 2>&1 | sed '/is ignored/d'
 .venv/bin/python -c "import retrograd.native" || { echo "the native library did not build" >&2; exit 1; }
 if [ "$want_test" = 1 ]; then
-  .venv/bin/python scripts/fetch_models.py --gemma 2>&1 | sed '/is ignored/d'
+  .venv/bin/retrograd models fetch --gemma 2>&1 | sed '/is ignored/d'
 else
-  .venv/bin/python scripts/fetch_models.py 2>&1 | sed '/is ignored/d'
+  .venv/bin/retrograd models fetch 2>&1 | sed '/is ignored/d'
 fi
 echo "retrograd is set up: .venv/bin/retrograd --help"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,3 +54,30 @@ def gemma() -> Path:
         return models.gemma_model_path()
     except models.ModelNotFound as exc:
         pytest.fail(str(exc))
+
+
+def train_sft(d: Path, records: list[dict], model: Path, *, name: str, ctx: int, steps: int, extra: str = "",
+              every_steps: int = 0, timeout: int = 1200) -> Path:
+    """Train a small SFT run on `records` through the real CLI (train.jsonl and run.toml in `d`, batch 4,
+    learning rate 3e-3) and return `d`; the run's outputs are under d/runs/NAME."""
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (d / "run.toml").write_text(f"""
+[model]
+path = "{model}"
+ctx = {ctx}
+[run]
+name = "{name}"
+[data]
+train = "train.jsonl"
+{extra}
+[training]
+max_steps = {steps}
+batch_size = 4
+learning_rate = 3e-3
+[checkpoint]
+every_steps = {every_steps}
+""")
+    out = subprocess.run([sys.executable, "-m", "retrograd.cli", "train", str(d / "run.toml")], capture_output=True,
+                         text=True, env={**os.environ, "RETRO_THREADS": str(THREADS)}, timeout=timeout)
+    assert out.returncode == 0, out.stderr
+    return d

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from retrograd.algorithms import rewards as rw
-from retrograd.algorithms.pg_losses import VARIANTS, PGBatch, PGConfig, group_advantages, kl_k3, policy_loss
-from retrograd.algorithms.sft import nll
+from retrograd import rewards as rw
+from retrograd.losses.nll import nll
+from retrograd.losses.pg import VARIANTS, PGBatch, PGConfig, group_advantages, kl_k3, policy_loss
 
 
 def numeric_grad(f, x, h=1e-6):
@@ -137,7 +137,7 @@ def test_gae_matches_its_definition():
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_ppo_loss_derivatives(seed):
-    from retrograd.algorithms.ppo import ppo_token_loss
+    from retrograd.losses.pg import ppo_loss as ppo_token_loss
     rng = np.random.default_rng(seed)
     n = 10
     old, adv = -rng.random(n), rng.normal(size=n)

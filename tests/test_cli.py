@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import THREADS
+from conftest import THREADS, train_sft
 
 from retrograd.cli import NOT_BUILT
 
@@ -62,26 +62,7 @@ def trained(smollm, tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
     recs = [{"messages": [{"role": "user", "content": f"Code {i}?"}, {"role": "assistant", "content": "ZEBRA-7"}]}
             for i in range(16)]
-    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    (d / "run.toml").write_text(f"""
-[model]
-path = "{smollm}"
-ctx = 256
-[run]
-name = "c"
-[data]
-train = "train.jsonl"
-eval_split = 0.25
-[training]
-max_steps = 6
-batch_size = 4
-learning_rate = 3e-3
-[checkpoint]
-every_steps = 0
-""")
-    out = cli("train", str(d / "run.toml"))
-    assert out.returncode == 0, out.stderr
-    return d
+    return train_sft(d, recs, smollm, name="c", ctx=256, steps=6, extra="eval_split = 0.25")
 
 
 def test_bench_base_and_adapter(trained):

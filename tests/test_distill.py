@@ -17,13 +17,14 @@ from gradcheck import randomize_adapter, richardson
 from test_algorithms import numeric_grad
 
 from retrograd import native
-from retrograd.algorithms.distill import DistillError, check_vocab
-from retrograd.algorithms.divergences import KINDS, topk_divergence
 from retrograd.config import load
+from retrograd.context import open_model
 from retrograd.data import tokenizer as tok_mod
 from retrograd.data.topk_file import TopkFile, TopkFileError, TopkWriter
-from retrograd.engine import LoraSpec, Teacher, Trainable
-from retrograd.trainer import open_model, train
+from retrograd.engine import LoraSpec, Trainable
+from retrograd.losses.divergences import KINDS, topk_divergence
+from retrograd.teacher import DistillError, Teacher, check_vocab
+from retrograd.trainer import train
 
 
 # ---- the losses as numpy functions -----------------------------------------------------------

@@ -13,7 +13,8 @@ import pytest
 from conftest import THREADS
 
 from retrograd.config import load
-from retrograd.trainer import open_model, train
+from retrograd.context import open_model
+from retrograd.trainer import train
 
 
 def make_run(d: Path, model: Path, *, steps: int, iterations: int = 1, loss: str = "grpo", every: int = 2) -> Path:
@@ -119,7 +120,7 @@ def test_bench_grpo_reports_reward_distributions(tiny, tmp_path):
 
 def test_retrograd_profile_reports_every_phase(tiny, tmp_path):
     cfg = make_run(tmp_path, tiny("llama", n_layer=2), steps=2)
-    out = subprocess.run([sys.executable, "-m", "retrograd.profile", str(cfg), "--steps", "1", "--json",
+    out = subprocess.run([sys.executable, "-m", "retrograd.commands.profile", str(cfg), "--steps", "1", "--json",
                           "--threads", str(THREADS)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
@@ -129,5 +130,5 @@ def test_retrograd_profile_reports_every_phase(tiny, tmp_path):
     assert not (tmp_path / "runs").exists()           # a throw-away run directory
     sft = tmp_path / "sft.toml"
     sft.write_text('[run]\nalgorithm = "sft"\n')
-    out = subprocess.run([sys.executable, "-m", "retrograd.profile", str(sft)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "retrograd.commands.profile", str(sft)], capture_output=True, text=True)
     assert out.returncode == 2 and "runs grpo workloads" in out.stderr

@@ -25,6 +25,12 @@ TEXT = ("The history of mathematics deals with the origin of discoveries in math
         "state of Ebla began using arithmetic, algebra and geometry for purposes of taxation, commerce and trade. ")
 
 
+def test_config_targets_are_the_c_librarys():
+    from retrograd.sections import TARGETS
+
+    assert native.TARGETS == TARGETS
+
+
 def test_one_ggml_in_process():
     import llama_cpp  # noqa: F401 - loads libllama and its ggml
 
@@ -107,6 +113,30 @@ def test_adapter_roundtrip_bit_exact(tiny, tmp_path):
     assert r.fields["general.type"].contents() == "adapter"
     assert r.fields["adapter.type"].contents() == "lora"
     assert r.fields["adapter.lora.alpha"].contents() == 8.0
+
+
+def test_a_starting_adapter_is_the_reference_policy(tiny, tmp_path):
+    """A run that starts from [lora].init_adapter measures KL and preference losses against that adapter:
+    the reference is a frozen copy, untouched by training, and without one the reference is the base model."""
+    path = tiny("llama")
+    a = Trainable(path, LoraSpec(4, 8.0), threads=THREADS, seed=3)
+    rng = np.random.default_rng(1)
+    for t in a.lora.tensors:
+        a.lora.write(t.index, 0.3 * rng.standard_normal(t.shape).astype(np.float32))
+    a.save_adapter(tmp_path / "start.gguf")
+    b = native.Batch.next_token(rng.integers(0, 256, 16).astype(np.int32))
+    assert np.array_equal(a.reference_logprobs(b).logp, a.logprobs(b, adapter=False).logp)
+    tr = Trainable(path, LoraSpec(4, 8.0), threads=THREADS, seed=4)
+    tr.load_adapter(tmp_path / "start.gguf", reference=True)
+    start = tr.logprobs(b).logp
+    np.testing.assert_array_equal(tr.reference_logprobs(b).logp, start)
+    assert np.abs(start - tr.logprobs(b, adapter=False).logp).max() > 1e-3
+    for t in tr.lora.tensors:       # training moves the policy, not the reference
+        tr.lora.write(t.index, np.zeros(t.shape, np.float32))
+    np.testing.assert_array_equal(tr.reference_logprobs(b).logp, start)
+    np.testing.assert_array_equal(tr.logprobs(b).logp, tr.logprobs(b, adapter=False).logp)
+    tr.close()
+    tr.close()
 
 
 def test_fresh_adapter_leaves_model_unchanged(tiny):
@@ -257,7 +287,7 @@ def test_non_finite_loss_is_refused_and_leaves_the_adapter(tiny):
 def test_missing_default_model_says_how_to_fetch(tmp_path):
     out = subprocess.run([sys.executable, "-m", "retrograd.cli", "inspect"], capture_output=True, text=True,
                          env={**os.environ, "RETROGRAD_CACHE": str(tmp_path)})
-    assert out.returncode == 1 and "scripts/fetch_models.py" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 1 and "retrograd models fetch" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_hidden_state_gradient_reaches_the_adapter(tiny):

@@ -9,7 +9,8 @@ import pytest
 from conftest import THREADS
 
 from retrograd.config import load
-from retrograd.trainer import open_model, train
+from retrograd.context import open_model
+from retrograd.trainer import train
 
 
 def make_run(d: Path, model: Path, *, steps: int, every: int = 1) -> Path:

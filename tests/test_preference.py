@@ -14,15 +14,15 @@ from gradcheck import randomize_adapter, richardson
 from test_algorithms import numeric_grad
 
 from retrograd import native
-from retrograd.algorithms.preference import pair_batches, pair_loss
-from retrograd.algorithms.preference_losses import LOSSES, PairStats, preference_loss
 from retrograd.config import PreferenceSection, load
+from retrograd.context import open_model
 from retrograd.data import chat as chat_mod
 from retrograd.data import tokenizer as tok_mod
 from retrograd.data.formats import DataError
 from retrograd.data.pairs import load_pairs
 from retrograd.engine import LoraSpec, Trainable
-from retrograd.trainer import open_model, train
+from retrograd.losses.preference import LOSSES, PairStats, pair_batches, pair_loss, preference_loss
+from retrograd.trainer import train
 
 
 def _stats(seed):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import THREADS
+from conftest import THREADS, train_sft
 
 from retrograd.generation.toolcalls import parse
 
@@ -62,26 +62,7 @@ def run_dir(smollm, tmp_path_factory):
                                                                                     "arguments": {"city": city}}}]},
             {"role": "tool", "content": "sunny, 21 C"},
             {"role": "assistant", "content": f"It is sunny and 21 C in {city}."}]})
-    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    (d / "run.toml").write_text(f"""
-[model]
-path = "{smollm}"
-ctx = 1024
-[run]
-name = "s"
-[data]
-train = "train.jsonl"
-[training]
-max_steps = 12
-batch_size = 4
-learning_rate = 3e-3
-[checkpoint]
-every_steps = 6
-""")
-    out = subprocess.run([sys.executable, "-m", "retrograd.cli", "train", str(d / "run.toml")], capture_output=True,
-                         text=True, env={**os.environ, "RETRO_THREADS": str(THREADS)}, timeout=900)
-    assert out.returncode == 0, out.stderr
-    return d
+    return train_sft(d, recs, smollm, name="s", ctx=1024, steps=12, every_steps=6, timeout=900)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ from conftest import THREADS
 
 from retrograd import checkpoint as ckpt
 from retrograd.config import load
-from retrograd.trainer import learning_rate, open_model, train
+from retrograd.context import open_model
+from retrograd.trainer import learning_rate, train
 
 
 def make_run(tmp_path: Path, model: Path, *, steps=12, every=4, rank=4, lr=1e-2, records=None, extra="") -> Path:

@@ -1,59 +1,34 @@
 """Training algorithms. Each is a small recipe that turns data (or rollouts) into micro-batches and
-per-token loss coefficients; trainer.py owns the one loop that runs them."""
+per-token loss coefficients; trainer.py owns the one loop that runs them.
+
+A recipe is built from a RunContext and implements `Recipe`: `next_step()` returns the work of one
+optimizer step, `evaluate()` the held-out metrics, `estimate_steps()` the run's length, and
+`state_dict()` / `load_state_dict()` what a checkpoint needs to continue exactly.
+"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-from retrograd.native import Batch, LossInputs, LossOutputs
+from retrograd.algorithms.base import MicroBatch, Recipe, StepWork, Tally
+from retrograd.errors import NotBuiltError
 
-
-@dataclass
-class MicroBatch:
-    """One engine call: a packed batch and the loss over its targets' log-probs.
-
-    loss(inputs) returns the coefficients d(loss)/d(logp) and a dict of additive metrics
-    (e.g. the summed loss) for logging.
-    """
-
-    batch: Batch
-    loss: Callable[[LossInputs], tuple[LossOutputs, dict]]
-    want_entropy: bool = False
-    want_hidden: bool = False
+if TYPE_CHECKING:
+    from retrograd.context import RunContext
 
 
-@dataclass
-class StepWork:
-    micro: list[MicroBatch]
-    n_tokens: int                         # tokens processed (for throughput)
-    info: dict = field(default_factory=dict)
-    finalize: Callable[[dict], dict] | None = None   # summed loss metrics -> what is logged
+#: algorithm -> module and class of its recipe (imported on demand: each pulls in what it needs)
+RECIPES = {"sft": "sft:SFT", "grpo": "grpo:GRPO", "ppo": "ppo:PPO", "distill": "distill:Distill",
+           "preference": "preference:Preference", "agent_grpo": "agent_grpo:AgentGRPO"}
 
 
-class Recipe(Protocol):
-    def next_step(self) -> StepWork: ...
-    def estimate_steps(self) -> int: ...
-    def evaluate(self) -> dict[str, float]: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
+def recipe_for(name: str) -> Callable[[RunContext], Recipe]:
+    if name not in RECIPES:
+        raise NotBuiltError(f"[run].algorithm = {name!r} is not built yet in this version")
+    module, cls = RECIPES[name].split(":")
+    return getattr(importlib.import_module(f"retrograd.algorithms.{module}"), cls)
 
 
-def recipe_for(name: str):
-    if name == "sft":
-        from retrograd.algorithms.sft import SFT
-        return SFT
-    if name == "grpo":
-        from retrograd.algorithms.grpo import GRPO
-        return GRPO
-    if name == "ppo":
-        from retrograd.algorithms.ppo import PPO
-        return PPO
-    if name == "distill":
-        from retrograd.algorithms.distill import Distill
-        return Distill
-    if name == "preference":
-        from retrograd.algorithms.preference import Preference
-        return Preference
-    raise ValueError(f"algorithm {name!r} is not built yet")
+__all__ = ["MicroBatch", "Recipe", "StepWork", "Tally", "recipe_for"]

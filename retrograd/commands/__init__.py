@@ -1,85 +1,63 @@
-"""Command implementations behind retrograd.cli, and the mapping of known failures to one clear
-message and an exit code."""
+"""The commands behind retrograd.cli, one module each (run(args) -> exit code), and what they
+share: the configuration with the command-line overrides applied, and the one rule that picks
+the adapter `chat` and `serve` use. Commands raise RetrogradError; cli.py reports it."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-from retrograd.config import Config, ConfigError, check_paths, load
+from retrograd.checkpoint import adapter_of
+from retrograd.config import Config, check_paths, load
+from retrograd.errors import RetrogradError, UsageError
+from retrograd.run_setup import run_dir
 
 
-def load_config(args: argparse.Namespace, writes: tuple[str, ...] = ()) -> Config:
+def load_config(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> Config:
     """The TOML file with the common command-line overrides applied (CLI paths resolve against
-    the current directory)."""
+    the current directory). Files the configuration names must exist, except the "section.key"
+    entries in `skip`: those the command writes, or does not read."""
     cfg = load(Path(args.config))
     if getattr(args, "model", None):
         cfg.model.path = Path(args.model).resolve()
     if getattr(args, "device", None):
         cfg.model.device = args.device
-    if getattr(args, "ctx", None):
+    if getattr(args, "ctx", None) is not None:
         if args.ctx < 16:
-            raise ConfigError(f"--ctx must be >= 16, got {args.ctx}")
+            raise UsageError(f"--ctx must be >= 16, got {args.ctx}")
         cfg.model.ctx = args.ctx
-    check_paths(cfg, skip=writes)
+    check_paths(cfg, skip=skip)
     return cfg
 
 
-class ExitStatus:
-    code = 0
+def positive(args: argparse.Namespace, *names: str) -> None:
+    """Flags that must be >= 1 when given."""
+    for name in names:
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
 
 
-@contextmanager
-def dispatch_errors(config: str = "") -> Iterator[ExitStatus]:
-    """Turns every known failure inside the block into one `error:` line and status.code (2 for
-    configuration errors, 1 for the rest, 130 for Ctrl-C); anything else propagates."""
-    from retrograd.adapter import AdapterError
-    from retrograd.algorithms.distill import DistillError
-    from retrograd.algorithms.rewards import RewardError
-    from retrograd.checkpoint import CheckpointError
-    from retrograd.data.chat import ChatTemplateError
-    from retrograd.data.formats import DataError
-    from retrograd.data.topk_file import TopkFileError
-    from retrograd.models import ModelNotFound
-    from retrograd.native import NativeError
-    from retrograd.trainer import TrainError
-
-    status = ExitStatus()
-    try:
-        yield status
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        status.code = 2
-    except RewardError as exc:
-        print(f"error: {config}: {exc}", file=sys.stderr)
-        status.code = 2
-    except (DataError, ModelNotFound, AdapterError, CheckpointError, ChatTemplateError, TrainError,
-            NativeError, DistillError, TopkFileError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        status.code = 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        status.code = 130
-
-
-def dispatch(args: argparse.Namespace) -> int:
-    with dispatch_errors(getattr(args, "config", "")) as status:
-        if args.command in ("inspect", "preflight"):
-            from retrograd.commands import inspect as cmd
-        elif args.command == "train":
-            from retrograd.commands import train as cmd
-        elif args.command == "bench":
-            from retrograd.eval import bench as cmd
-        elif args.command == "chat":
-            from retrograd.commands import chat as cmd
-        elif args.command == "serve":
-            from retrograd.commands import serve as cmd
-        elif args.command == "distill-teacher":
-            from retrograd.commands import distill_teacher as cmd
-        else:  # pragma: no cover - the parser knows every command
-            raise SystemExit(f"unknown command {args.command}")
-        return cmd.run(args)
-    return status.code
+def choose_adapter(args: argparse.Namespace, cfg: Config) -> Path | None:
+    """The adapter chat and serve use: --base-only (none), --adapter (a GGUF, or a checkpoint's
+    .state directory), --checkpoint (serve: the adapter exported beside a .state directory), else
+    the adapter the configuration trains. A missing one is the same error everywhere."""
+    if getattr(args, "base_only", False):
+        return None
+    if getattr(args, "adapter", None):
+        p = Path(args.adapter).resolve()
+        if p.is_dir():
+            return adapter_of(p)
+        if not p.is_file():
+            raise RetrogradError(f"--adapter: {p}: no such adapter file")
+        return p
+    if getattr(args, "checkpoint", None):
+        state = Path(args.checkpoint).resolve()
+        beside = state.with_suffix(".gguf")
+        return beside if beside.is_file() else adapter_of(state)
+    p = run_dir(cfg) / "adapter.gguf"
+    if not p.is_file():
+        other = ", --checkpoint" if hasattr(args, "checkpoint") else ""
+        raise RetrogradError(f"no adapter: {p} does not exist yet (train first, or pass --adapter{other} "
+                             "or --base-only)")
+    return p

@@ -5,40 +5,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from retrograd.checkpoint import adapter_of
-from retrograd.commands import load_config
+from retrograd.commands import choose_adapter, load_config, positive
 from retrograd.data.chat import format_for
+from retrograd.generation.conversation import encode_prompt
 from retrograd.generation.llama import Generator, SamplingParams
-from retrograd.models import default_model_path
-from retrograd.trainer import TrainError, resolve_threads, run_dir
-
-
-def adapter_path(args: argparse.Namespace, cfg) -> Path | None:
-    if args.base_only:
-        return None
-    if args.adapter:
-        p = Path(args.adapter).resolve()
-        return adapter_of(p) if p.is_dir() else p
-    p = run_dir(cfg) / "adapter.gguf"
-    if not p.exists():
-        if args.compare:
-            raise TrainError(f"--compare needs an adapter: {p} does not exist yet (train first, or pass --adapter)")
-        return None
-    return p
+from retrograd.run_setup import resolve_model, resolve_threads
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args)
-    if args.max_new_tokens < 1:
-        print("error: --max-new-tokens must be >= 1", file=sys.stderr)
-        return 2
-    model = Path(cfg.model.path) if cfg.model.path else default_model_path()
+    positive(args, "max_new_tokens")
+    ad = choose_adapter(args, cfg)
+    model = resolve_model(cfg)
     gen = Generator(model, n_ctx=cfg.model.ctx, threads=resolve_threads(cfg), device=cfg.model.device)
-    ad = adapter_path(args, cfg)
-    if ad is not None and not ad.exists():
-        raise TrainError(f"{ad}: no such adapter file")
     adapter_bytes = ad.read_bytes() if ad else None
     chat = format_for(gen.tokenizer, cfg.model.chat_template)
     interactive = sys.stdin.isatty()
@@ -62,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
             print("(history cleared)")
             continue
         history.append({"role": "user", "content": text})
-        prompt = gen.tokenizer.encode(chat.render(history, add_generation_prompt=True), add_bos=gen.tokenizer.add_bos)
+        prompt = encode_prompt(gen.tokenizer, chat, history)
         if len(prompt) + args.max_new_tokens > cfg.model.ctx:
             history = history[:-1]
             print(f"(the conversation no longer fits the context of {cfg.model.ctx} tokens; /reset or raise --ctx)")
@@ -74,11 +54,8 @@ def run(args: argparse.Namespace) -> int:
             if (data is None) == gen.has_adapter:
                 gen.set_adapter(data)
             out = gen.generate(prompt, params)[0]
-            if label:
-                print(f"[{label}] {out.text.strip()}")
-            else:
-                print(out.text.strip())
             answer = out.text.strip()
+            print(f"[{label}] {answer}" if label else answer)
         sys.stdout.flush()
         history.append({"role": "assistant", "content": answer})
         turn += 1

@@ -7,35 +7,34 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from retrograd.commands import load_config
-from retrograd.config import ConfigError
+from retrograd.commands import load_config, positive
 from retrograd.data import chat as chat_mod
 from retrograd.data import tokenizer as tok_mod
 from retrograd.data.batching import pack, to_batch
 from retrograd.data.formats import load_examples
 from retrograd.data.topk_file import TopkWriter
-from retrograd.engine import Teacher
+from retrograd.errors import UsageError
 from retrograd.models import default_model_path
 from retrograd.report import Progress
-from retrograd.trainer import resolve_threads
+from retrograd.run_setup import config_label, resolve_threads
+from retrograd.teacher import Teacher
 
 
 def run(args: argparse.Namespace) -> int:
     teacher_override = Path(args.model).resolve() if args.model else None
     args.model = None                 # --model names the teacher here, not [model].path
-    cfg = load_config(args, writes=("distill.teacher_file", "distill.eval_teacher_file"))
+    cfg = load_config(args, skip=("distill.teacher_file", "distill.eval_teacher_file"))
     d = cfg.distill
     teacher_path = teacher_override or (Path(d.teacher) if d.teacher else default_model_path())
     if not teacher_path.is_file():
-        raise ConfigError(f"teacher model not found: {teacher_path}")
+        raise UsageError(f"teacher model not found: {teacher_path}")
     data = Path(args.data).resolve() if args.data else (Path(cfg.data.train) if cfg.data.train else None)
     if data is None:
-        raise ConfigError(f"{cfg.source}: no data: pass --data or set [data].train")
+        raise UsageError(f"{config_label(cfg)}: no data: pass --data or set [data].train")
     out = Path(args.out).resolve() if args.out else (Path(d.teacher_file) if d.teacher_file and not args.data
                                                       else data.with_suffix(".topk"))
+    positive(args, "k")
     k = args.k if args.k is not None else d.k
-    if k < 1:
-        raise ConfigError(f"--k must be >= 1, got {k}")
     tok = tok_mod.load(str(teacher_path))
     chat = chat_mod.format_for(tok, cfg.model.chat_template)
     max_length = min(cfg.data.max_length, cfg.model.ctx)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import sys
 from pathlib import Path
 
 from retrograd import native
+from retrograd.commands import positive
+from retrograd.errors import RetrogradError, UsageError
 from retrograd.models import default_model_path
 
 
@@ -16,7 +17,7 @@ def _model_path(args: argparse.Namespace) -> Path:
     if args.model:
         p = Path(args.model).resolve()
         if not p.is_file():
-            raise native.NativeError(2, f"{p}: no such model file")
+            raise RetrogradError(f"{p}: no such model file")
         return p
     return default_model_path()
 
@@ -53,12 +54,12 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_preflight(args: argparse.Namespace) -> int:
+    positive(args, "tokens")
     path = _model_path(args)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     bad = [t for t in targets if t not in native.TARGETS]
     if bad or not targets:
-        print(f"error: --targets: expected some of {','.join(native.TARGETS)}, got {args.targets!r}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--targets: expected some of {','.join(native.TARGETS)}, got {args.targets!r}")
     m = native.Model(path, device=args.device or "auto", threads=1)
     e = native.Engine(m)
     lora = native.Lora(m, targets, 16, 32.0)

@@ -5,16 +5,13 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import sys
-from pathlib import Path
 
-from retrograd.checkpoint import CheckpointError, adapter_of
-from retrograd.commands import load_config
-from retrograd.config import ConfigError
+from retrograd.commands import choose_adapter, load_config
 from retrograd.data.chat import format_for
+from retrograd.errors import UsageError
 from retrograd.generation.llama import Generator
-from retrograd.models import default_model_path
+from retrograd.run_setup import resolve_model, resolve_threads
 from retrograd.serve.app import BASE_ID, ModelHost, ServedModel, create_app
-from retrograd.trainer import TrainError, resolve_threads, run_dir
 
 
 def is_loopback(host: str) -> bool:
@@ -26,38 +23,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def choose_adapter(args: argparse.Namespace, cfg) -> Path | None:
-    if args.base_only:
-        return None
-    if args.adapter:
-        p = Path(args.adapter).resolve()
-        if not p.is_file():
-            raise TrainError(f"--adapter: {p}: no such adapter file")
-        return p
-    if args.checkpoint:
-        state = Path(args.checkpoint).resolve()
-        beside = state.with_suffix(".gguf")
-        if beside.is_file():
-            return beside
-        return adapter_of(state)
-    p = run_dir(cfg) / "adapter.gguf"
-    if not p.is_file():
-        raise TrainError(f"no adapter to serve: {p} does not exist (train first, or pass --adapter, "
-                         "--checkpoint or --base-only)")
-    return p
-
-
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     if not is_loopback(args.host) and not args.api_key:
-        raise ConfigError(f"--host {args.host} is not a loopback address: binding it requires --api-key")
+        raise UsageError(f"--host {args.host} is not a loopback address: binding it requires --api-key")
     if not 0 < args.port < 65536:
-        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
-    try:
-        adapter = choose_adapter(args, cfg)
-    except CheckpointError as exc:
-        raise TrainError(str(exc)) from None
-    model_path = Path(cfg.model.path) if cfg.model.path else default_model_path()
+        raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    adapter = choose_adapter(args, cfg)
+    model_path = resolve_model(cfg)
     gen = Generator(model_path, n_ctx=cfg.model.ctx, threads=resolve_threads(cfg), device=cfg.model.device)
     chat = format_for(gen.tokenizer, cfg.model.chat_template)
     if adapter is None:

@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from retrograd.commands import load_config
-from retrograd.trainer import open_model, train
+from retrograd.context import open_model
+from retrograd.trainer import train
 
 
 def run(args: argparse.Namespace) -> int:
@@ -18,8 +19,7 @@ def run(args: argparse.Namespace) -> int:
     summary = train(ctx, resume)
     print(f"done: {summary['steps']} steps in {summary['seconds']:.0f} s; adapter {summary['adapter']}")
     shown = [(k[5:], v) for k, v in summary.items()
-             if k.startswith("eval_") and not k.endswith(("_tokens", "_examples", "_nll"))
-             and not (k == "eval_loss" and "eval_reward" in summary)]     # RL's eval_loss is -eval_reward
+             if k.startswith("eval_") and not k.endswith(("_tokens", "_examples", "_nll"))]
     if shown:
         print("final evaluation: " + ", ".join(f"{k} {v:.4g}" for k, v in shown))
     if summary.get("plot"):

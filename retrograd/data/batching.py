@@ -4,14 +4,16 @@ greedy packing under a token budget, and the (row, next token) targets of the tr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from retrograd.batch import NO_PREFIX, Batch
 from retrograd.data.formats import Example
-from retrograd.native import Batch
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
@@ -21,10 +23,11 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
-def train_and_eval(cfg, load, what: str, notes: list[str]) -> tuple[list, list]:
-    """The training items of [data].train and the evaluation items: those of [evaluation].data when
-    it is set, else the held-out split. load(path) -> (items, LoadReport); a note per file."""
-    items, report = load(Path(cfg.data.train))
+def train_and_eval(cfg, load, what: str, notes: list[str], train: Path | None = None) -> tuple[list, list]:
+    """The training items of `train` (default [data].train) and the evaluation items: those of
+    [evaluation].data when it is set, else the held-out split ([data].eval_split). load(path) ->
+    (items, LoadReport); a note per file."""
+    items, report = load(Path(train or cfg.data.train))
     notes.append(f"train {what}: {report.summary()}")
     train, held = split_holdout(items, cfg.data.eval_split, cfg.run.seed)
     if cfg.evaluation.data:
@@ -74,10 +77,11 @@ class ExampleStream:
                 self.cursor = Cursor(self.cursor.epoch + 1, 0)
                 self._order = epoch_order(len(self.examples), self.seed, self.cursor.epoch, self.shuffle)
             ex = self.examples[self._order[self.cursor.index]]
-            if tokens and out and used + len(ex.tokens) > tokens:
+            size = len(ex.tokens) if tokens else 0
+            if tokens and out and used + size > tokens:
                 return out
             out.append(ex)
-            used += len(ex.tokens)
+            used += size
             self.cursor = Cursor(self.cursor.epoch, self.cursor.index + 1)
             if (n and len(out) >= n) or (tokens and used >= tokens):
                 return out
@@ -92,26 +96,44 @@ class ExampleStream:
         return self.cursor.epoch + self.cursor.index / max(1, len(self.examples))
 
 
-def pack(examples: Sequence[Example], budget: int, packing: bool = True) -> list[list[Example]]:
-    """Group examples into micro-batches of at most `budget` tokens (first fit, in order). An
-    example longer than the budget gets a micro-batch of its own."""
-    groups: list[list[Example]] = []
-    sizes: list[int] = []
-    for ex in examples:
-        n = len(ex.tokens)
-        if packing:
-            for g, size in enumerate(sizes):
-                if size + n <= budget:
-                    groups[g].append(ex)
-                    sizes[g] += n
-                    break
-            else:
-                groups.append([ex])
-                sizes.append(n)
+def first_fit(sizes: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices per bin, first fit in order: each item goes to the first bin it fits in under
+    `budget`; an item larger than the budget gets a bin of its own."""
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for i, n in enumerate(sizes):
+        for b, size in enumerate(used):
+            if size + n <= budget:
+                bins[b].append(i)
+                used[b] += n
+                break
         else:
-            groups.append([ex])
-            sizes.append(n)
-    return groups
+            bins.append([i])
+            used.append(n)
+    return bins
+
+
+def pack(examples: Sequence[Example], budget: int, packing: bool = True) -> list[list[Example]]:
+    """Examples grouped into micro-batches of at most `budget` tokens (first_fit), or one per
+    micro-batch without packing."""
+    if not packing:
+        return [[ex] for ex in examples]
+    return [[examples[i] for i in b] for b in first_fit([len(ex.tokens) for ex in examples], budget)]
+
+
+def take_step(stream: ExampleStream, t) -> list:
+    """The items of one optimizer step: batch_size x grad_accum items, or as many as fit in
+    batch_tokens x grad_accum tokens when [training].batch_tokens is set."""
+    if t.batch_tokens:
+        return stream.take(tokens=t.batch_tokens * t.grad_accum)
+    return stream.take(n=t.batch_size * t.grad_accum)
+
+
+def steps_for(items: Sequence, t, tokens_of: Callable[[Any], int]) -> int:
+    """Optimizer steps of [training].epochs passes over `items` under take_step's rule."""
+    if t.batch_tokens:
+        return max(1, math.ceil(t.epochs * sum(tokens_of(x) for x in items) / (t.batch_tokens * t.grad_accum)))
+    return max(1, math.ceil(t.epochs * len(items) / (t.batch_size * t.grad_accum)))
 
 
 def to_batch(group: Sequence[Example]) -> tuple[Batch, np.ndarray]:
@@ -135,10 +157,18 @@ def to_batch(group: Sequence[Example]) -> tuple[Batch, np.ndarray]:
 
 @dataclass
 class Group:
-    """A prompt and several continuations of it, trained with one shared copy of the prompt."""
+    """A prompt and several continuations of it, trained with one shared copy of the prompt.
+    `trained` marks, per continuation, the tokens that are targets (default: all of them; a
+    multi-turn rollout's continuation also holds tool results, which are context only)."""
 
     prompt: np.ndarray
     completions: list[np.ndarray]
+    trained: list[np.ndarray] | None = None
+
+    def mask(self, i: int) -> np.ndarray:
+        if self.trained is None:
+            return np.ones(len(self.completions[i]), bool)
+        return np.asarray(self.trained[i], bool)
 
     @property
     def n_tokens(self) -> int:
@@ -146,28 +176,17 @@ class Group:
 
 
 def pack_groups(groups: Sequence[Group], budget: int) -> list[list[int]]:
-    """Indices of groups per micro-batch (first fit, in order; a group is never split)."""
-    bins: list[list[int]] = []
-    sizes: list[int] = []
-    for i, g in enumerate(groups):
-        for b, size in enumerate(sizes):
-            if size + g.n_tokens <= budget:
-                bins[b].append(i)
-                sizes[b] += g.n_tokens
-                break
-        else:
-            bins.append([i])
-            sizes.append(g.n_tokens)
-    return bins
+    """Indices of groups per micro-batch (first_fit; a group is never split)."""
+    return first_fit([g.n_tokens for g in groups], budget)
 
 
 def group_batch(groups: Sequence[Group]) -> tuple[Batch, np.ndarray]:
     """Rows: each prompt once, then its continuations seeing it as their prefix. Targets: every
-    continuation token (the first predicted from the prompt's last row). Returns the batch and, per
-    target, the index of its continuation counted over `groups` in order."""
+    trained continuation token (the first predicted from the prompt's last row). Returns the batch
+    and, per target, the index of its continuation counted over `groups` in order."""
     toks, pos, seq, pre, rows, ids, owner = [], [], [], [], [], [], []
     offset, sid, cidx = 0, 0, 0
-    none = np.iinfo(np.int32).min
+    none = NO_PREFIX
     for g in groups:
         p = len(g.prompt)
         toks.append(g.prompt)
@@ -177,15 +196,16 @@ def group_batch(groups: Sequence[Group]) -> tuple[Batch, np.ndarray]:
         prompt_sid, prompt_last = sid, offset + p - 1
         offset += p
         sid += 1
-        for c in g.completions:
+        for ci, c in enumerate(g.completions):
             n = len(c)
+            keep = g.mask(ci)
             toks.append(c)
             pos.append(np.arange(p, p + n, dtype=np.int32))
             seq.append(np.full(n, sid, np.int32))
             pre.append(np.full(n, prompt_sid, np.int32))
-            rows.append(np.concatenate([[prompt_last], offset + np.arange(n - 1)]).astype(np.int32))
-            ids.append(c)
-            owner.append(np.full(n, cidx, np.int32))
+            rows.append(np.concatenate([[prompt_last], offset + np.arange(n - 1)]).astype(np.int32)[keep])
+            ids.append(c[keep])
+            owner.append(np.full(int(keep.sum()), cidx, np.int32))
             offset += n
             sid += 1
             cidx += 1

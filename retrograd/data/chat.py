@@ -18,6 +18,8 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from retrograd.errors import RetrogradError
+
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -30,7 +32,7 @@ GEMMA = (
 FALLBACKS = {"gemma3": GEMMA, "gemma2": GEMMA, "gemma": GEMMA}
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(RetrogradError, ValueError):
     pass
 
 
@@ -71,6 +73,10 @@ class ChatFormat:
                                     bos_token=self.bos_token, eos_token=self.eos_token)
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template failed to render: {exc}") from None
+
+    def encode(self, tok, text: str) -> list[int]:
+        """Token ids of rendered text; the BOS token is added unless the template already wrote it."""
+        return tok.encode(text, add_bos=tok.add_bos and not (self.bos_token and text.startswith(self.bos_token)))
 
     def segments(self, messages: list[dict], tools: list[dict] | None = None) -> list[tuple[str, bool]]:
         """The rendered conversation as (text, trainable) spans; assistant turns are trainable."""

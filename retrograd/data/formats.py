@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from retrograd.data.chat import ChatFormat, ChatTemplateError
+from retrograd.errors import RetrogradError
 
 FORMATS = ("text", "chat", "prompt_completion", "tools")
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class DataError(ValueError):
+class DataError(RetrogradError, ValueError):
     """A problem with a data file, located by file and line."""
 
 

@@ -57,7 +57,10 @@ def _messages(value, where: str, role: str | None = None) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise ValueError(f'"{where}" must be a string or a non-empty list of messages')
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        # an assistant turn that only calls tools has no content; every other message has text
+        calls_only = isinstance(m, dict) and m.get("content") is None and m.get("tool_calls")
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not (isinstance(m.get("content"), str)
+                                                                         or calls_only):
             raise ValueError(f"{where}[{i}] must have a role ({', '.join(ROLES)}) and string content")
     return value
 
@@ -84,9 +87,15 @@ def conversations(rec: dict) -> tuple[list[dict], list[dict]]:
 
 
 def tokenize_pair(rec: dict, tok, chat: ChatFormat, max_length: int, line: int = 0) -> Pair:
+    """Both conversations rendered whole (with the record's "tools" catalog, when it has one: pairs
+    of agentic traces); the shared start becomes the prompt."""
     chosen, rejected = conversations(rec)
-    tc, mc = tokenize_record({"messages": chosen}, "chat", tok, chat)
-    tr, mr = tokenize_record({"messages": rejected}, "chat", tok, chat)
+    tools = rec.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError('"tools" must be a list of tool schemas')
+    fmt = "tools" if tools else "chat"
+    tc, mc = tokenize_record({"messages": chosen, "tools": tools}, fmt, tok, chat)
+    tr, mr = tokenize_record({"messages": rejected, "tools": tools}, fmt, tok, chat)
     tc, mc, tr, mr = np.asarray(tc, np.int32), np.asarray(mc, bool), np.asarray(tr, np.int32), np.asarray(mr, bool)
     if not mc.any() or not mr.any():
         raise ValueError("an answer rendered to no trained tokens")

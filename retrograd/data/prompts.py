@@ -42,7 +42,7 @@ def load_prompts(path: Path, tok, chat: ChatFormat, *, max_tokens: int = 512,
     def convert(rec: dict, lineno: int) -> Prompt | None:
         msgs = messages_of(rec)
         text = chat.render(msgs, tools=rec.get("tools"), add_generation_prompt=True)
-        ids = tok.encode(text, add_bos=tok.add_bos and not (chat.bos_token and text.startswith(chat.bos_token)))
+        ids = chat.encode(tok, text)
         if len(ids) > max_tokens:
             report.skip(f"prompt longer than {max_tokens} tokens")
             return None

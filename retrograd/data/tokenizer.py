@@ -8,10 +8,13 @@ import ctypes
 import hashlib
 import os
 import sys
+import weakref
 from functools import lru_cache
 from pathlib import Path
 
 import llama_cpp.llama_cpp as lc
+
+from retrograd.errors import RetrogradError
 
 _LEVELS = {"error": 4, "warn": 3, "warning": 3, "info": 2, "debug": 1, "trace": 1}
 
@@ -25,7 +28,12 @@ def _log_threshold() -> int:
 def _log_cb(level, text, _user):  # pragma: no cover - depends on llama.cpp's chatter
     # ggml levels: 1 debug, 2 info, 3 warn, 4 error, 5 cont
     if level >= _log_threshold() and level != 5:
-        sys.stderr.write(text.decode("utf-8", "replace"))
+        msg = text.decode("utf-8", "replace")
+        # with a KV cache shared by a batch of sequences the cache is n_seq x the context, while each
+        # sequence's positions stay within one context: llama.cpp's overflow warning does not apply
+        if level == 3 and "n_ctx_seq" in msg and "n_ctx_train" in msg:
+            return
+        sys.stderr.write(msg)
 
 
 _installed = False
@@ -39,6 +47,10 @@ def quiet_llama_logs() -> None:
         _installed = True
 
 
+class TokenizerError(RetrogradError):
+    pass
+
+
 class Tokenizer:
     """Tokenize and detokenize with a GGUF's vocabulary; exposes its chat template and end tokens."""
 
@@ -49,7 +61,8 @@ class Tokenizer:
         params.vocab_only = True
         self._model = lc.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
-            raise ValueError(f"{self.path}: llama.cpp could not read the vocabulary")
+            raise TokenizerError(f"{self.path}: llama.cpp could not read the vocabulary (not a GGUF model?)")
+        self._free = weakref.finalize(self, lc.llama_model_free, self._model)
         self._vocab = lc.llama_model_get_vocab(self._model)
         self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
         self.bos_id = lc.llama_vocab_bos(self._vocab)
@@ -106,15 +119,7 @@ class Tokenizer:
         return self._vocab_sha
 
     def close(self) -> None:
-        if getattr(self, "_model", None):
-            lc.llama_model_free(self._model)
-            self._model = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except (AttributeError, TypeError):   # interpreter shutdown: the library is already gone
-            pass
+        self._free()
 
 
 @lru_cache(maxsize=4)

@@ -20,13 +20,16 @@ data, or with another tokenizer, is refused with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import os
 import struct
 from pathlib import Path
 
 import numpy as np
+
+from retrograd.errors import RetrogradError
+from retrograd.fsutil import atomic_open
 
 MAGIC = b"RGTOPK\x00\x01"
 END = b"RGTOPEND"
@@ -36,7 +39,7 @@ _FOOT = struct.Struct("<QQ8s")
 _INDEX = np.dtype([("line", "<u4"), ("pad", "<u4"), ("offset", "<u8")])
 
 
-class TopkFileError(ValueError):
+class TopkFileError(RetrogradError, ValueError):
     pass
 
 
@@ -53,16 +56,17 @@ class TopkWriter:
 
     def __init__(self, path: Path, header: dict) -> None:
         self.path = Path(path)
-        self.tmp = self.path.with_name(self.path.name + ".tmp")
         self.header = {"format": "retrograd-topk", "version": VERSION, **header}
         self.k = int(header["k"])
         self.dtype = id_dtype(int(header["n_vocab"]))
         self.header["id_dtype"] = self.dtype.name
         self.index: list[tuple[int, int]] = []
         self.fh = None
+        self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> TopkWriter:
-        self.fh = open(self.tmp, "wb")
+        # an interrupted run leaves FILE.topk.tmp (no footer: readers refuse it) and never FILE.topk
+        self.fh = self._stack.enter_context(atomic_open(self.path, keep_partial=True))
         h = json.dumps(self.header, sort_keys=True).encode()
         self.fh.write(MAGIC + struct.pack("<I", len(h)) + h)
         return self
@@ -77,20 +81,14 @@ class TopkWriter:
         self.fh.write(np.ascontiguousarray(logp, "<f4").tobytes())
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if exc_type is None:
-                at = self.fh.tell()
-                idx = np.zeros(len(self.index), _INDEX)
-                if self.index:
-                    idx["line"], idx["offset"] = zip(*self.index)
-                self.fh.write(idx.tobytes())
-                self.fh.write(_FOOT.pack(at, len(self.index), END))
-                self.fh.flush()
-                os.fsync(self.fh.fileno())
-        finally:
-            self.fh.close()
         if exc_type is None:
-            os.replace(self.tmp, self.path)
+            at = self.fh.tell()
+            idx = np.zeros(len(self.index), _INDEX)
+            if self.index:
+                idx["line"], idx["offset"] = zip(*self.index)
+            self.fh.write(idx.tobytes())
+            self.fh.write(_FOOT.pack(at, len(self.index), END))
+        self._stack.__exit__(exc_type, exc, tb)
 
 
 class TopkFile:

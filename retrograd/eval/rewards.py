@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from retrograd.algorithms import rewards as rw
+from retrograd import rewards as rw
 from retrograd.generation.llama import Generator, SamplingParams
 
 

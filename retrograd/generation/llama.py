@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +20,17 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 
 from retrograd.data.tokenizer import Tokenizer, quiet_llama_logs
+from retrograd.errors import RetrogradError
+from retrograd.run_setup import resolve_threads
 
 _libc = ctypes.CDLL(None)
 _libc.fmemopen.restype = ctypes.c_void_p
 _libc.fmemopen.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _libc.fclose.argtypes = [ctypes.c_void_p]
+
+
+class GenerationError(RetrogradError):
+    """llama.cpp could not load a model, make a context or take an adapter."""
 
 
 @dataclass
@@ -44,6 +51,13 @@ class Completion:
     finish_reason: str = "length"                        # "stop" (end token or stop string) or "length"
     end_token: int | None = None                         # the end-of-generation token that stopped it
     end_logprob: float = 0.0
+
+    def trained(self) -> tuple[list[int], list[float]]:
+        """The tokens a policy update trains on and their sampling log-probs: the sampled tokens and
+        the end token that stopped them (choosing to stop is part of the answer)."""
+        if self.end_token is None:
+            return list(self.tokens), list(self.logprobs)
+        return [*self.tokens, self.end_token], [*self.logprobs, self.end_logprob]
 
 
 def _fast_top_p() -> bool:
@@ -109,7 +123,7 @@ class Generator:
         mp.n_gpu_layers = 0 if device == "cpu" else 999
         self._model = lc.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self._model:
-            raise ValueError(f"{self.path}: llama.cpp could not load the model")
+            raise GenerationError(f"{self.path}: llama.cpp could not load the model")
         self.n_seq = max(1, n_seq)
         cp = lc.llama_context_default_params()
         cp.n_ctx = n_ctx * self.n_seq
@@ -117,10 +131,10 @@ class Generator:
         cp.n_ubatch = 512
         cp.n_seq_max = self.n_seq
         cp.kv_unified = True     # sequences of a group share the prompt cells
-        cp.n_threads = cp.n_threads_batch = threads or (os.cpu_count() or 1)
+        cp.n_threads = cp.n_threads_batch = threads or resolve_threads()
         self._ctx = lc.llama_init_from_model(self._model, cp)
         if not self._ctx:
-            raise ValueError(f"{self.path}: llama.cpp could not create a context of {cp.n_ctx} tokens")
+            raise GenerationError(f"{self.path}: llama.cpp could not create a context of {cp.n_ctx} tokens")
         self.n_ctx = n_ctx
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
         self._mem = lc.llama_get_memory(self._ctx)
@@ -128,6 +142,8 @@ class Generator:
         self._batch = lc.llama_batch_init(self._batch_cap, 0, 1)
         self._adapter = None
         self._cache: list[int] = []    # tokens in sequence 0's KV cache, for prefix reuse
+        # freed in this order when close() is called or the generator is collected (never twice)
+        self._free = weakref.finalize(self, _free_llama, self._batch, self._ctx, self._model)
 
     # ---- adapters ------------------------------------------------------------------------------
     def set_adapter(self, data: bytes | None, scale: float = 1.0) -> None:
@@ -146,11 +162,11 @@ class Generator:
             finally:
                 _libc.fclose(fp)
             if not ad:
-                raise ValueError("llama.cpp rejected the adapter (wrong model?)")
+                raise GenerationError("llama.cpp rejected the adapter (is it for this model?)")
             arr = (lc.llama_adapter_lora_p_ctypes * 1)(ad)
             scales = (ctypes.c_float * 1)(scale)
             if lc.llama_set_adapters_lora(self._ctx, arr, 1, scales) != 0:
-                raise ValueError("llama.cpp could not apply the adapter")
+                raise GenerationError("llama.cpp could not apply the adapter")
             self._adapter = ad
         if old is not None:
             lc.llama_adapter_lora_free(old)
@@ -182,6 +198,10 @@ class Generator:
             if rc != 0:
                 raise RuntimeError(f"llama_decode failed ({rc}): context of {self.n_ctx} tokens too small?")
 
+    def _last_row(self, n: int) -> int:
+        """Index, within the last llama_decode call, of the last of n tokens decoded in chunks."""
+        return (n - 1) % self._batch_cap
+
     def _logits(self, i: int) -> np.ndarray:
         return np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, i), shape=(self.n_vocab,)).copy()
 
@@ -201,10 +221,33 @@ class Generator:
         rest = list(prompt[common:])
         self._decode(rest, range(common, len(prompt)), [0] * len(rest), [False] * (len(rest) - 1) + [True])
         self._cache = list(prompt)
-        last = self._logits(len(rest) - 1)
+        last = self._logits(self._last_row(len(rest)))
         for s in range(1, n_seq):
             lc.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
         return last
+
+    def _prefill_each(self, prompts: Sequence[Sequence[int]]) -> tuple[dict[int, np.ndarray], int]:
+        """Different prompts, one per sequence: their common prefix once in sequence 0 (reusing the
+        cached one), shared with the others, then each prompt's own rest. Returns the logits after
+        each prompt and the length of the shared prefix."""
+        longest = max(len(p) for p in prompts)
+        if longest + 1 > self.n_ctx:
+            raise ValueError(f"a prompt of {longest} tokens does not fit the context of {self.n_ctx}")
+        shared = 0
+        first = prompts[0]
+        while shared < min(len(p) for p in prompts) - 1 and all(p[shared] == first[shared] for p in prompts):
+            shared += 1
+        self._prefill(first[:shared + 1], 1)          # the prefix (and one token more) in sequence 0
+        lc.llama_memory_seq_rm(self._mem, 0, shared, -1)
+        self._cache = list(first[:shared])
+        for s in range(1, len(prompts)):
+            lc.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
+        logits = {}
+        for s, p in enumerate(prompts):
+            rest = list(p[shared:])
+            self._decode(rest, range(shared, len(p)), [s] * len(rest), [False] * (len(rest) - 1) + [True])
+            logits[s] = self._logits(self._last_row(len(rest)))
+        return logits, shared
 
     def generate(self, prompt: Sequence[int], params: Sequence[SamplingParams]) -> list[Completion]:
         """Continue one prompt len(params) times in one batch (a GRPO group, or a single answer)."""
@@ -212,15 +255,39 @@ class Generator:
         if n > self.n_seq:
             raise ValueError(f"{n} sequences requested, the context was made for {self.n_seq}")
         first = self._prefill(prompt, n)
+        self._cache = list(prompt)       # sequence 0 grows past the prompt; only the prompt is reusable
+        outs = self._sample({s: first for s in range(n)}, [len(prompt)] * n, params)
+        self._cache = list(prompt)
+        lc.llama_memory_seq_rm(self._mem, 0, len(prompt), -1)
+        return outs
+
+    def generate_each(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[Completion]:
+        """Continue each prompt once, all in one batch: the turns of a group of conversations whose
+        histories have parted (their common prefix is decoded once)."""
+        n = len(params)
+        if len(prompts) != n:
+            raise ValueError(f"{len(prompts)} prompts for {n} sampling settings")
+        if n > self.n_seq:
+            raise ValueError(f"{n} sequences requested, the context was made for {self.n_seq}")
+        if all(list(p) == list(prompts[0]) for p in prompts):
+            return self.generate(prompts[0], params)
+        logits, shared = self._prefill_each(prompts)
+        outs = self._sample(logits, [len(p) for p in prompts], params)
+        lc.llama_memory_seq_rm(self._mem, 0, shared, -1)
+        self._cache = list(prompts[0][:shared])
+        return outs
+
+    def _sample(self, logits: dict[int, np.ndarray], pos: list[int], params: Sequence[SamplingParams]) -> list[Completion]:
+        """Sample every sequence to its end, one batched decode per step; pos[s] is where sequence
+        s writes its next token."""
+        n = len(params)
         tok = self.tokenizer
         outs = [Completion() for _ in range(n)]
         rngs = [np.random.default_rng(p.seed) for p in params]
         active = list(range(n))
-        logits = {s: first for s in active}
-        pos = len(prompt)
-        self._cache = list(prompt)       # sequence 0 grows past the prompt; only the prompt is reusable
+        pos = list(pos)
         while active:
-            step_tokens, step_seqs = [], []
+            step_tokens, step_seqs, step_pos = [], [], []
             for s in list(active):
                 t, lp = sample(logits[s], params[s], rngs[s])
                 o = outs[s]
@@ -240,37 +307,29 @@ class Generator:
                         o.finish_reason = "stop"
                         active.remove(s)
                         continue
-                if len(o.tokens) >= params[s].max_new_tokens or pos + 1 >= self.n_ctx:
+                if len(o.tokens) >= params[s].max_new_tokens or pos[s] + 1 >= self.n_ctx:
                     active.remove(s)
                     continue
                 step_tokens.append(t)
                 step_seqs.append(s)
+                step_pos.append(pos[s])
             if not step_tokens:
                 break
-            self._decode(step_tokens, [pos] * len(step_tokens), step_seqs, [True] * len(step_tokens))
+            self._decode(step_tokens, step_pos, step_seqs, [True] * len(step_tokens))
             rows = self._all_logits(len(step_seqs))
             logits = {s: rows[i] for i, s in enumerate(step_seqs)}
-            pos += 1
-        self._cache = list(prompt)
-        lc.llama_memory_seq_rm(self._mem, 0, len(prompt), -1)
+            for s in step_seqs:
+                pos[s] += 1
         for o, p in zip(outs, params):
             if not (p.stop and o.finish_reason == "stop"):
                 o.text = tok.decode(o.tokens)
         return outs
 
     def close(self) -> None:
-        if getattr(self, "_batch", None) is not None:
-            lc.llama_batch_free(self._batch)
-            self._batch = None
-        if getattr(self, "_ctx", None):
-            lc.llama_free(self._ctx)
-            self._ctx = None
-        if getattr(self, "_model", None):
-            lc.llama_model_free(self._model)
-            self._model = None
+        self._free()
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except (AttributeError, TypeError):   # interpreter shutdown: the library is already gone
-            pass
+
+def _free_llama(batch, ctx, model) -> None:
+    lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
+    lc.llama_model_free(model)

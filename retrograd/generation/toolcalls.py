@@ -35,6 +35,7 @@ class Parsed:
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     format: str = ""
+    unknown: list[ToolCall] = field(default_factory=list)   # well-formed calls to tools not offered
 
 
 def _call_from_obj(obj: Any) -> ToolCall | None:
@@ -103,6 +104,7 @@ def parse(text: str, tool_names: set[str] | None = None) -> Parsed:
     """Find tool calls in `text`; with tool_names, calls to unknown tools are reported as errors."""
     errors: list[str] = []
     calls: list[ToolCall] = []
+    unknown: list[ToolCall] = []
     content: str | None = text
     fmt = ""
     if "<tool_call>" in text:
@@ -159,4 +161,5 @@ def parse(text: str, tool_names: set[str] | None = None) -> Parsed:
             if c.name not in tool_names:
                 errors.append(f"call to unknown tool {c.name!r}")
                 calls.remove(c)
-    return Parsed(content if content else None, calls, errors, fmt)
+                unknown.append(c)
+    return Parsed(content if content else None, calls, errors, fmt, unknown)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from retrograd.data.chat import ChatFormat
+from retrograd.generation.conversation import encode_prompt, read_reply
 from retrograd.generation.llama import Generator, SamplingParams
-from retrograd.generation.toolcalls import parse
 from retrograd.serve.openai_api import (
     ApiError,
     ChatRequest,
@@ -51,9 +51,7 @@ class ModelHost:
             model = self.models[req.model]
             if (model.adapter is None) == self.gen.has_adapter:
                 self.gen.set_adapter(model.adapter)
-            tok = self.gen.tokenizer
-            text = self.chat.render(req.messages, tools=req.tools, add_generation_prompt=True)
-            prompt = tok.encode(text, add_bos=tok.add_bos and not text.startswith(self.chat.bos_token or "\0"))
+            prompt = encode_prompt(self.gen.tokenizer, self.chat, req.messages, req.tools)
             room = self.gen.n_ctx - len(prompt) - 1
             if room < 1:
                 raise ApiError(400, f"messages: the prompt has {len(prompt)} tokens, the context holds "
@@ -64,14 +62,11 @@ class ModelHost:
                                     req.seed if req.seed is not None else self._seed, tuple(req.stop))
             out = self.gen.generate(prompt, [params])[0]
         finish = "stop" if out.finish_reason == "stop" else "length"
-        content: str | None = out.text
-        calls: list[dict] = []
-        if req.tools:
-            parsed = parse(out.text, {t["function"]["name"] for t in req.tools})
-            if parsed.calls:
-                content = parsed.content
-                calls = [c.to_openai(i) for i, c in enumerate(parsed.calls)]
-                finish = "tool_calls"
+        reply = read_reply(out.text, req.tools)
+        msg = reply.message()
+        content, calls = msg["content"], msg.get("tool_calls", [])
+        if calls:
+            finish = "tool_calls"
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out.tokens),
                  "total_tokens": len(prompt) + len(out.tokens)}
         return message_payload(content, calls), finish, usage

@@ -1,14 +1,16 @@
-"""`retrograd-server`: serves the runs of a directory (RUN_ID, RUN_ID@best, ...). Not built yet."""
+"""`retrograd-server`: serves the runs of a directory (RUN_ID, RUN_ID@best, ...). Not built yet: it
+refuses through the one table of unbuilt features."""
 
 from __future__ import annotations
 
 import sys
 
+from retrograd.errors import reported
+from retrograd.features import refuse
+
 
 def main() -> int:
-    print("retrograd-server: not built yet in this version; `retrograd serve CONFIG.toml` serves one run's adapter "
-          "and the base model through the same OpenAI API.", file=sys.stderr)
-    return 2
+    return reported(lambda: refuse("retrograd-server"), prefix="retrograd-server")
 
 
 if __name__ == "__main__":

@@ -28,9 +28,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from retrograd.errors import ConfigError, RetrogradError
 
-class RewardError(ValueError):
-    pass
+
+class RewardError(RetrogradError):
+    """A reward function failed while scoring (exit 1)."""
+
+
+class RewardConfigError(RewardError, ConfigError):
+    """A [[grpo.rewards]] / [[ppo.rewards]] table is wrong (exit 2)."""
+
+    exit_code = 2
 
 
 _NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -103,36 +111,38 @@ class Reward:
 def _load_user(spec: str, base: Path, where: str) -> Callable:
     path_s, _, fname = spec.rpartition(":")
     if not path_s or not fname:
-        raise RewardError(f"{where}.function: expected 'path/to/file.py:function', got {spec!r}")
+        raise RewardConfigError(f"{where}.function: expected 'path/to/file.py:function', got {spec!r}")
     path = Path(path_s)
     path = path if path.is_absolute() else base / path
     if not path.is_file():
-        raise RewardError(f"{where}.function: file not found: {path}")
+        raise RewardConfigError(f"{where}.function: file not found: {path}")
     mod_spec = importlib.util.spec_from_file_location(f"retrograd_user_reward_{path.stem}", path)
     module = importlib.util.module_from_spec(mod_spec)
     try:
         mod_spec.loader.exec_module(module)
     except Exception as exc:  # the user's module is arbitrary code
-        raise RewardError(f"{where}.function: importing {path} failed: {exc}") from None
+        raise RewardConfigError(f"{where}.function: importing {path} failed: {exc}") from None
     fn = getattr(module, fname, None)
     if not callable(fn):
-        raise RewardError(f"{where}.function: {path} has no function {fname!r}")
+        raise RewardConfigError(f"{where}.function: {path} has no function {fname!r}")
     return fn
 
 
-def build(specs: list[dict], base: Path, section: str) -> list[Reward]:
-    """Reward objects from the config's list of tables; errors name [section].rewards[i]."""
+def build(specs: list[dict], base: Path, section: str, label: str = "") -> list[Reward]:
+    """Reward objects from the config's list of tables; errors name the file (label) and
+    [section].rewards[i]."""
+    at = f"{label}: " if label else ""
     if not specs:
-        raise RewardError(f"[{section}].rewards: at least one reward is required")
+        raise RewardConfigError(f"{at}[{section}].rewards: at least one reward is required")
     out = []
     for i, spec in enumerate(specs):
-        where = f"[{section}].rewards[{i}]"
+        where = f"{at}[{section}].rewards[{i}]"
         if not isinstance(spec, dict):
-            raise RewardError(f"{where}: expected a table, got {spec!r}")
+            raise RewardConfigError(f"{where}: expected a table, got {spec!r}")
         spec = dict(spec)
         weight = spec.pop("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise RewardError(f"{where}.weight: expected a number, got {weight!r}")
+            raise RewardConfigError(f"{where}.weight: expected a number, got {weight!r}")
         if "function" in spec:
             fn = _load_user(str(spec.pop("function")), base, where)
             name = spec.pop("name", getattr(fn, "__name__", "function"))
@@ -140,18 +150,18 @@ def build(specs: list[dict], base: Path, section: str) -> list[Reward]:
             continue
         name = spec.pop("name", None)
         if name not in BUILTINS:
-            raise RewardError(f"{where}.name: expected one of {', '.join(BUILTINS)} (or a 'function'), got {name!r}")
+            raise RewardConfigError(f"{where}.name: expected one of {', '.join(BUILTINS)} (or a 'function'), got {name!r}")
         fn, allowed = BUILTINS[name]
         for k, v in spec.items():
             if k not in allowed:
-                raise RewardError(f"{where}: unknown option {k!r} for {name}; expected {', '.join(allowed) or 'none'}")
+                raise RewardConfigError(f"{where}: unknown option {k!r} for {name}; expected {', '.join(allowed) or 'none'}")
             if not isinstance(v, allowed[k]) or isinstance(v, bool):
-                raise RewardError(f"{where}.{k}: expected {allowed[k].__name__}, got {v!r}")
+                raise RewardConfigError(f"{where}.{k}: expected {allowed[k].__name__}, got {v!r}")
         if name == "regex":
             try:
                 re.compile(spec.get("pattern", "."))
             except re.error as exc:
-                raise RewardError(f"{where}.pattern: not a valid regular expression ({exc})") from None
+                raise RewardConfigError(f"{where}.pattern: not a valid regular expression ({exc})") from None
         if "extract" in spec:
             spec["extract_with"] = spec.pop("extract")
         out.append(Reward(name, fn, float(weight), spec))

@@ -10,18 +10,32 @@ import json
 import sys
 from pathlib import Path
 
-from retrograd.algorithms.sft import evaluate_nll
-from retrograd.commands import load_config
-from retrograd.config import ConfigError, tomllib
+from retrograd import rewards as rw
+from retrograd.commands import load_config, positive
+from retrograd.config import Config, tomllib
+from retrograd.context import open_model
+from retrograd.data import chat as chat_mod
+from retrograd.data import tokenizer as tok_mod
 from retrograd.data.batching import split_holdout
 from retrograd.data.formats import DataError, load_examples
-from retrograd.trainer import open_model
+from retrograd.data.prompts import load_prompts
+from retrograd.errors import UsageError
+from retrograd.eval.distill import evaluate_distill
+from retrograd.eval.nll import evaluate_nll
+from retrograd.eval.rewards import sample_rewards
+from retrograd.generation.llama import Generator
+from retrograd.run_setup import config_dir, config_label, resolve_model, resolve_threads
+from retrograd.teacher import OnlineTeacher, load_teacher
 
 UNSUPPORTED = {
     "agent_grpo": "bench does not support agent_grpo; use `retrograd collect --report` to measure pass rates.",
     "preference": "bench does not support preference; a run with [evaluation] reports its preference accuracy "
                   "at each evaluation (metrics.jsonl).",
 }
+
+
+class Unsupported(UsageError):
+    pass
 
 
 def eval_examples(ctx, args):
@@ -36,8 +50,8 @@ def eval_examples(ctx, args):
                                     max_length=max_len, skip_bad=cfg.data.skip_bad_lines)
         return split_holdout(examples, cfg.data.eval_split, cfg.run.seed)[1], f"{cfg.data.train} (held-out split)"
     else:
-        raise ConfigError(f"{cfg.source}: no evaluation data: pass --data, or set [evaluation].data "
-                          "or [data].eval_split")
+        raise UsageError(f"{config_label(cfg)}: no evaluation data: pass --data, or set [evaluation].data "
+                         "or [data].eval_split")
     examples, _ = load_examples(path, ctx.tokenizer, ctx.chat, fmt=cfg.data.format, max_length=max_len,
                                 skip_bad=cfg.data.skip_bad_lines)
     return examples, str(path)
@@ -54,12 +68,10 @@ def _algorithm_of(path: str) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     algorithm = _algorithm_of(args.config)
-    if algorithm in UNSUPPORTED:
-        print(UNSUPPORTED[algorithm], file=sys.stderr)
-        return 2
+    if algorithm in UNSUPPORTED:       # before validation: agent_grpo configurations may not load
+        raise Unsupported(UNSUPPORTED[algorithm])
     cfg = load_config(args)
-    if args.limit is not None and args.limit < 1:
-        raise ConfigError(f"--limit must be >= 1, got {args.limit}")
+    positive(args, "limit")
     if cfg.run.algorithm in ("grpo", "ppo"):
         return run_rewards(args, cfg)
     ctx = open_model(cfg, need_data=False)
@@ -70,9 +82,7 @@ def run(args: argparse.Namespace) -> int:
         raise DataError(f"{source}: no examples to evaluate")
     budget = cfg.training.micro_batch_tokens
     if cfg.run.algorithm == "distill":
-        from retrograd.algorithms.distill import OnlineTeacher, evaluate_distill, load_teacher
-
-        teacher = OnlineTeacher(load_teacher(ctx), cfg.distill.k)
+        teacher = OnlineTeacher(load_teacher(cfg, ctx.tokenizer, ctx.trainable.model_path), cfg.distill.k)
 
         def measure(adapter: bool) -> dict:
             return evaluate_distill(ctx.trainable, teacher, examples, budget, adapter=adapter)
@@ -107,21 +117,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_rewards(args: argparse.Namespace, cfg) -> int:
+def run_rewards(args: argparse.Namespace, cfg: Config) -> int:
     """grpo / ppo: the reward distribution of sampled answers, base and adapter on the same draws."""
-    from retrograd.algorithms import rewards as rw
-    from retrograd.data import chat as chat_mod
-    from retrograd.data import tokenizer as tok_mod
-    from retrograd.data.prompts import load_prompts
-    from retrograd.eval.rewards import sample_rewards
-    from retrograd.generation.llama import Generator
-    from retrograd.trainer import resolve_model, resolve_threads
-
     section = cfg.run.algorithm
     g = getattr(cfg, section)
     n = g.group_size if section == "grpo" else g.bench_samples
-    base = cfg.source.parent if cfg.source else Path.cwd()
-    rewards = rw.build(g.rewards, base, section)
+    rewards = rw.build(g.rewards, config_dir(cfg), section, config_label(cfg))
     model = resolve_model(cfg)
     tok = tok_mod.load(str(model))
     chat = chat_mod.format_for(tok, cfg.model.chat_template)
@@ -130,12 +131,12 @@ def run_rewards(args: argparse.Namespace, cfg) -> int:
     elif cfg.evaluation.data:
         path = Path(cfg.evaluation.data)
     else:
-        raise ConfigError(f"{cfg.source}: no evaluation prompts: pass --data or set [evaluation].data")
+        raise UsageError(f"{config_label(cfg)}: no evaluation prompts: pass --data or set [evaluation].data")
     prompts, _ = load_prompts(path, tok, chat, max_tokens=g.max_prompt_tokens, skip_bad=cfg.data.skip_bad_lines)
     prompts = prompts[: args.limit or len(prompts)]
     gen = Generator(model, n_ctx=min(cfg.model.ctx, g.max_prompt_tokens + g.max_new_tokens + 8), n_seq=n,
                     threads=resolve_threads(cfg), device=cfg.model.device)
-    kw = dict(n=n, temperature=g.temperature, top_p=g.top_p, top_k=getattr(g, "top_k", 0),
+    kw = dict(n=n, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
               max_new_tokens=g.max_new_tokens, stop=tuple(g.stop), seed=cfg.run.seed, on_error=g.reward_errors)
     results = {"base": sample_rewards(gen, prompts, rewards, **kw)}
     if args.adapter:

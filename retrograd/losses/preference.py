@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from retrograd.data.batching import group_batch, pack_groups
+from retrograd.data.pairs import Pair
+
 LOSSES = ("dpo", "ipo", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
 
@@ -96,3 +99,38 @@ def implicit_rewards(s: PairStats, kind: str, beta: float) -> tuple[np.ndarray, 
         return beta * pc / nc, beta * pr / nr
     mc, mr = pc / nc, pr / nr
     return mc - _log1mexp(mc), mr - _log1mexp(mr)
+
+
+# ---- pairs in micro-batches ----------------------------------------------------------------
+def pair_batches(pairs: list[Pair], budget: int):
+    """(pairs of the micro-batch, batch, owner, weights) with owner 2j / 2j+1 = pair j's chosen / rejected."""
+    for idx in pack_groups([p.group for p in pairs], budget):
+        chunk = [pairs[i] for i in idx]
+        batch, owner = group_batch([p.group for p in chunk])
+        w = np.concatenate([x for p in chunk for x in (p.chosen_w, p.rejected_w)])
+        yield chunk, batch, owner, w
+
+
+def sums(logp: np.ndarray, owner: np.ndarray, w: np.ndarray, n_pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    s = np.bincount(owner, weights=w * logp.astype(np.float64), minlength=2 * n_pairs)
+    return s[0::2], s[1::2]
+
+
+def stats_for(chunk: list[Pair], logp: np.ndarray, owner: np.ndarray, w: np.ndarray, need_ref: bool) -> PairStats:
+    pc, pr = sums(logp, owner, w, len(chunk))
+    nc = np.array([p.chosen_w.sum() for p in chunk])
+    nr = np.array([p.rejected_w.sum() for p in chunk])
+    if not need_ref:
+        return PairStats(pc, pr, nc, nr)
+    return PairStats(pc, pr, nc, nr, np.array([p.ref[0] for p in chunk]), np.array([p.ref[1] for p in chunk]))
+
+
+def pair_loss(chunk: list[Pair], logp: np.ndarray, owner: np.ndarray, w: np.ndarray, p, need_ref: bool,
+              norm: float = 1.0) -> tuple[float, np.ndarray, PairStats]:
+    """One micro-batch of pairs: the loss, d(loss)/d(logp) per target (each answer's coefficient
+    on each of its trained tokens) and the pairs' statistics. p is the [preference] section."""
+    s = stats_for(chunk, logp, owner, w, need_ref)
+    value, gc, gr, _ = preference_loss(s, p.loss, p.beta, gamma=p.simpo_gamma, lam=p.orpo_lambda, norm=norm)
+    per_seq = np.empty(2 * len(chunk))
+    per_seq[0::2], per_seq[1::2] = gc, gr
+    return value, (per_seq[owner] * w).astype(np.float32), s

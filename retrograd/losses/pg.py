@@ -106,3 +106,23 @@ def group_advantages(rewards: np.ndarray, group: np.ndarray, scale: bool = True,
         centred = rewards[m] - rewards[m].mean()
         out[m] = centred / (rewards[m].std() + eps) if scale else centred
     return out
+
+
+def ppo_loss(logp, old, adv, values, old_values, returns, cliprange: float, cliprange_value: float,
+             vf_coef: float, n_tokens: int) -> tuple[float, np.ndarray, np.ndarray, dict]:
+    """PPO's clipped policy loss (policy_loss with token-level weights 1/n_tokens, no KL term: PPO
+    folds its KL into the rewards) plus the clipped value loss, both averaged over the step's
+    n_tokens. Returns the loss, d loss/d logp, d loss/d value, and stats."""
+    values, old_values, returns = (np.asarray(x, np.float64) for x in (values, old_values, returns))
+    seq = np.zeros(len(values), np.int64)
+    pg, d_logp, st = policy_loss(PGBatch(logp, old, adv, seq, None),
+                                 PGConfig("dapo", cliprange, cliprange, 0.0, n_tokens=n_tokens))
+    v_clip = old_values + np.clip(values - old_values, -cliprange_value, cliprange_value)
+    l1, l2 = (values - returns) ** 2, (v_clip - returns) ** 2
+    take1 = l1 >= l2
+    vl = 0.5 * np.maximum(l1, l2)
+    inside = np.abs(values - old_values) < cliprange_value
+    d_value = vf_coef * np.where(take1, values - returns, np.where(inside, v_clip - returns, 0.0)) / n_tokens
+    value_loss = float(vl.sum() / n_tokens)
+    return pg + vf_coef * value_loss, d_logp, d_value, {"pg_loss": pg, "value_loss": value_loss,
+                                                        "clip_frac": st["clip_frac"]}

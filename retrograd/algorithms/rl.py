@@ -1,0 +1,93 @@
+"""What the RL recipes (grpo, ppo) share: the reward functions, the prompts of [data].train and
+the held-out ones, the generator (llama.cpp, the current adapter swapped in from memory), the
+per-rollout sampling seeds and the greedy evaluation. Each recipe adds only how it turns
+completions into a loss."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from retrograd import rewards as rw
+from retrograd.config import RolloutSection
+from retrograd.context import RunContext
+from retrograd.data.batching import ExampleStream, train_and_eval
+from retrograd.data.prompts import load_prompts
+from retrograd.eval.rewards import sample_rewards
+from retrograd.generation.llama import Generator, SamplingParams
+from retrograd.run_setup import config_dir, config_label
+
+
+class RolloutRecipe:
+    """Base of the RL recipes; `settings` is their [grpo] or [ppo] section."""
+
+    def __init__(self, run: RunContext, settings: RolloutSection, section: str, n_seq: int) -> None:
+        self.run, self.g, self.section = run, settings, section
+        cfg = run.cfg
+        self.rewards = self.build_rewards()
+        self.train_prompts, self.eval_prompts = self.load_items()
+        self.stream = ExampleStream(self.train_prompts, cfg.run.seed, cfg.data.shuffle)
+        self.gen = Generator(run.trainable.model_path,
+                             n_ctx=self.context_size(),
+                             n_seq=n_seq, threads=run.trainable.info.n_threads, device=cfg.model.device)
+        self.rollout_index = 0
+
+    def context_size(self) -> int:
+        """Tokens per generated sequence: the longest prompt and the longest completion."""
+        return self.g.max_prompt_tokens + self.g.max_new_tokens + 8
+
+    def build_rewards(self) -> list[rw.Reward]:
+        cfg = self.run.cfg
+        return rw.build(self.g.rewards, config_dir(cfg), self.section, config_label(cfg))
+
+    def load_items(self) -> tuple[list, list]:
+        """The training and held-out prompts ([data].train, [evaluation].data or the split)."""
+        run, cfg = self.run, self.run.cfg
+        run.require_train_data()
+        return train_and_eval(
+            cfg, lambda path: load_prompts(path, run.tokenizer, run.chat, max_tokens=self.g.max_prompt_tokens,
+                                           skip_bad=cfg.data.skip_bad_lines), "prompts", run.notes)
+
+    def close(self) -> None:
+        self.gen.close()
+
+    def sampling(self, seeds: Sequence[int]) -> list[SamplingParams]:
+        g = self.g
+        return [SamplingParams(g.temperature, g.top_p, g.top_k, g.max_new_tokens, int(s), tuple(g.stop)) for s in seeds]
+
+    def seeds(self, *path: int, n: int) -> np.ndarray:
+        """n sampling seeds derived from the run seed, the rollout index and `path` (so a resumed run
+        draws what the uninterrupted one drew)."""
+        return np.random.SeedSequence([self.run.cfg.run.seed, self.rollout_index, *path]).generate_state(n)
+
+    def sync_adapter(self) -> None:
+        """Give the generator the adapter as it is now (after the last optimizer step)."""
+        self.gen.set_adapter(self.run.trainable.adapter_bytes())
+
+    def score(self, texts: list[str], prompt) -> rw.Scored:
+        return rw.score(self.rewards, texts, prompt.record, prompt.line, self.g.reward_errors)
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean reward of greedy answers to the first eval_prompts held-out prompts."""
+        if not self.eval_prompts:
+            return {}
+        g, cfg = self.g, self.run.cfg
+        limit = min(len(self.eval_prompts), cfg.evaluation.limit or g.eval_prompts)
+        self.sync_adapter()
+        res = sample_rewards(self.gen, self.eval_prompts[:limit], self.rewards, n=1, temperature=0.0, top_p=1.0,
+                             top_k=0, max_new_tokens=g.max_new_tokens, stop=tuple(g.stop), seed=cfg.run.seed,
+                             on_error=g.reward_errors)
+        return {"eval_reward": res["reward_mean"]}
+
+    def base_state(self) -> dict:
+        return {"cursor": self.stream.cursor.to_dict(), "rollout_index": self.rollout_index}
+
+    def load_base_state(self, state: dict) -> None:
+        self.stream.seek(state.get("cursor", {}))
+        self.rollout_index = int(state.get("rollout_index", 0))
+
+
+def reward_stats(per: dict[str, list[float]]) -> dict[str, float]:
+    """Mean of each reward function over a batch of rollouts."""
+    return {f"reward/{k}": float(np.mean(v)) if v else 0.0 for k, v in per.items()}
