@@ -10,7 +10,7 @@
  * After ggml_build_backward_expand, every OUT_PROD(W, transpose(dy)) whose W is a frozen base
  * weight is rewritten into MUL_MAT(cont(transpose(cast(W, F32))), dy): the same numbers, but
  * through the fast matmul kernel instead of ggml's OUT_PROD on quantized data (10-15x slower on
- * the CPU, see DESIGN.md). The dequantized copy is a transient the allocator frees right away.
+ * the CPU, see docs/architecture.md). The dequantized copy is a transient the allocator frees right away.
  */
 #include "rg_internal.h"
 
@@ -280,7 +280,7 @@ static struct ggml_cgraph * rewrite(rg_engine * e, rg_graph_build * b, struct gg
         struct ggml_tensor * x;
         if (w && w->type != GGML_TYPE_F32 && e->matmul_mode != RG_MATMUL_F32) {
             /* a frozen base weight: dequantize, transpose to F16 (transient, freed after use);
-             * F16 halves the copy and doubles the matmul speed against F32 (DESIGN.md) */
+             * F16 halves the copy and doubles the matmul speed against F32 (docs/architecture.md) */
             x = w->type == GGML_TYPE_F16 ? ggml_cont(ctx, ggml_transpose(ctx, w)) : rg_dequant_f16(ctx, w, true);
         } else if (w) {
             x = ggml_cont(ctx, ggml_transpose(ctx, w->type == GGML_TYPE_F32 ? w : ggml_cast(ctx, w, GGML_TYPE_F32)));
