@@ -33,6 +33,15 @@ def _common(p: argparse.ArgumentParser, config: bool = True) -> None:
                    help="auto: a GPU if available, else the CPU; cpu: force the CPU; gpu: require a GPU")
 
 
+def _one_action(sub: argparse._SubParsersAction, name: str, action: str, help: str, description: str,
+                action_help: str, config_help: str) -> argparse.ArgumentParser:
+    """`retrograd NAME ACTION CONFIG`: a command with one action that takes a configuration."""
+    p = sub.add_parser(name, help=help, description=description)
+    t = p.add_subparsers(dest="action", metavar="ACTION", required=True).add_parser(action, help=action_help)
+    t.add_argument("config", help=config_help)
+    return t
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="retrograd",
@@ -142,34 +151,28 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--gemma", action="store_true", help="also fetch Gemma 3 270M Q4_K_M (the second test model)")
     msub.add_parser("list", help="list the cached models")
 
-    p = sub.add_parser("tools", help="list the tool servers of an agentic configuration and their tools",
-                       description="List the tool servers of [agent] ([[agent.servers]]: MCP servers over stdio or "
-                                   "streamable HTTP, or Python functions) and, unless --no-connect, start each one "
-                                   "and list its tools with their JSON schemas.")
-    tsub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    t = tsub.add_parser("list", help="the configured servers and their tools")
-    t.add_argument("config", help="run configuration (TOML) with an [agent] section")
+    t = _one_action(sub, "tools", "list", "list the tool servers of an agentic configuration and their tools",
+                    "List the tool servers of [agent] ([[agent.servers]]: MCP servers over stdio or streamable "
+                    "HTTP, or Python functions) and, unless --no-connect, start each one and list its tools with "
+                    "their JSON schemas.",
+                    "the configured servers and their tools", "run configuration (TOML) with an [agent] section")
     t.add_argument("--json", action="store_true", help="print one JSON object")
     t.add_argument("--no-connect", action="store_true", help="only the configuration: start no server")
 
-    p = sub.add_parser("scenarios", help="have an LLM write scenarios for the configured tools",
-                       description="`scenarios generate` asks an LLM ([agent.collect_api], else the configuration's "
-                                   "model) for [agent].generate_count diverse scenarios that use the configured tools, "
-                                   "with verify specs where it can, checks each one (task, verify spec, tools exist, "
-                                   "no duplicates) and writes them to [agent].scenarios.")
-    ssub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    t = ssub.add_parser("generate", help="write [agent].scenarios")
-    t.add_argument("config", help="an agent_grpo configuration (TOML)")
+    t = _one_action(sub, "scenarios", "generate", "have an LLM write scenarios for the configured tools",
+                    "`scenarios generate` asks an LLM ([agent.collect_api], else the configuration's model) for "
+                    "[agent].generate_count diverse scenarios that use the configured tools, with verify specs "
+                    "where it can, checks each one (task, verify spec, tools exist, no duplicates) and writes them "
+                    "to [agent].scenarios.",
+                    "write [agent].scenarios", "an agent_grpo configuration (TOML)")
     t.add_argument("--dry-run", action="store_true", help="print the prompt and the plan; call nothing")
     t.add_argument("--force", action="store_true", help="overwrite an existing scenarios file")
 
-    p = sub.add_parser("judge", help="measure the judge's agreement with human scores",
-                       description="`judge eval` scores fixture groups (tasks with attempts a person scored) with "
-                                   "the configured [agent.judge] and reports, per fixture and overall, best-pick "
-                                   "accuracy and Spearman's rank correlation with the human scores.")
-    jsub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    t = jsub.add_parser("eval", help="agreement of the judge with human labels")
-    t.add_argument("config", help="a configuration with [agent.judge]")
+    t = _one_action(sub, "judge", "eval", "measure the judge's agreement with human scores",
+                    "`judge eval` scores fixture groups (tasks with attempts a person scored) with the configured "
+                    "[agent.judge] and reports, per fixture and overall, best-pick accuracy and Spearman's rank "
+                    "correlation with the human scores.",
+                    "agreement of the judge with human labels", "a configuration with [agent.judge]")
     t.add_argument("--fixtures", required=True, metavar="FILE.jsonl",
                    help='lines of {"task": ..., "attempts": [{"transcript": ..., "score": ...}, ...]}')
     t.add_argument("--format", choices=("auto", "text", "jsonl"), default="auto",

@@ -206,19 +206,26 @@ def load(path: Path) -> Config:
     return from_dict(raw, path.resolve())
 
 
-def check_paths(cfg: Config, skip: tuple[str, ...] = ()) -> None:
-    """Files the run will read must exist (checked once everything is resolved); `skip` names
-    "section.key" entries a command writes instead of reads."""
+#: every "section.key" that names an input file
+PATH_KEYS = ("model.path", "lora.init_adapter", "data.train", "evaluation.data", "distill.teacher",
+             "distill.teacher_file", "distill.eval_teacher_file", "agent.scenarios", "agent.state_template",
+             "agent.judge.local_model")
+
+
+def check_paths(cfg: Config, skip: tuple[str, ...] = (), reads: tuple[str, ...] = PATH_KEYS) -> None:
+    """Files the command will read must exist (checked once everything is resolved): the entries
+    in `reads` (by default every input file of a run) except those in `skip`, which the command
+    writes instead of reads."""
     label = str(cfg.source) if cfg.source else "<config>"
-    for sec, key in (("model", "path"), ("lora", "init_adapter"), ("data", "train"), ("evaluation", "data"),
-                     ("distill", "teacher"), ("distill", "teacher_file"), ("distill", "eval_teacher_file"),
-                     ("agent", "scenarios"), ("agent", "state_template"), ("agent.judge", "local_model")):
+    for name in reads:
+        if name in skip:
+            continue
+        *secs, key = name.split(".")
         obj = cfg
-        for part in sec.split("."):
+        for part in secs:
             obj = getattr(obj, part)
         p = getattr(obj, key)
-        if f"{sec}.{key}" in skip:
-            continue
+        sec = ".".join(secs)
         if p is not None and not Path(p).is_file():
             raise ConfigError(f"{label}: [{sec}].{key}: file not found: {p}")
 

@@ -8,15 +8,15 @@ import argparse
 from pathlib import Path
 
 from retrograd.checkpoint import adapter_of
-from retrograd.config import Config, check_paths, load
+from retrograd.config import PATH_KEYS, Config, check_paths, load
 from retrograd.errors import RetrogradError, UsageError
 from retrograd.run_setup import run_dir
 
 
-def load_config(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> Config:
+def load_config(args: argparse.Namespace, skip: tuple[str, ...] = (), reads: tuple[str, ...] = PATH_KEYS) -> Config:
     """The TOML file with the common command-line overrides applied (CLI paths resolve against
-    the current directory). Files the configuration names must exist, except the "section.key"
-    entries in `skip`: those the command writes, or does not read."""
+    the current directory). The input files in `reads` ("section.key", default: all a run reads)
+    must exist, except those in `skip`, which the command writes."""
     cfg = load(Path(args.config))
     if getattr(args, "model", None):
         cfg.model.path = Path(args.model).resolve()
@@ -26,7 +26,7 @@ def load_config(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> Config:
         if args.ctx < 16:
             raise UsageError(f"--ctx must be >= 16, got {args.ctx}")
         cfg.model.ctx = args.ctx
-    check_paths(cfg, skip=skip)
+    check_paths(cfg, skip=skip, reads=reads)
     return cfg
 
 

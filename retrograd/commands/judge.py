@@ -84,8 +84,7 @@ def best_pick(judge: list[float], human: list[float]) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     # only [agent.judge] matters: the adapter, data and scenarios of the run need not exist yet
-    cfg = load_config(args, skip=("lora.init_adapter", "data.train", "evaluation.data", "agent.scenarios",
-                                  "agent.state_template"))
+    cfg = load_config(args, reads=("model.path", "agent.judge.local_model"))
     fixtures = load_fixtures(Path(args.fixtures).resolve())
     judge = build_judge(cfg, required=True)
     rows = []

@@ -124,7 +124,7 @@ class _Writer:
 
 def run(args: argparse.Namespace) -> int:
     # it writes the scenarios, and a local writer is the base model (no adapter)
-    cfg = load_config(args, skip=("agent.scenarios", "lora.init_adapter"))
+    cfg = load_config(args, reads=("model.path",))
     a = cfg.agent
     if a.scenarios is None:
         raise ConfigError(f"{config_label(cfg)}: [agent].scenarios names the file to write; it is not set")

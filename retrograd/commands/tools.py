@@ -94,9 +94,7 @@ def _print_text(listing: dict, connect: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # only the tool servers matter here: the model, adapter and data need not exist yet
-    cfg = load_config(args, skip=("model.path", "lora.init_adapter", "data.train", "evaluation.data", "distill.teacher",
-                                  "distill.teacher_file", "distill.eval_teacher_file", "agent.scenarios",
-                                  "agent.judge.local_model"))
+    cfg = load_config(args, reads=())
     connect = not getattr(args, "no_connect", False)
     listing, status = _listing(cfg, connect)
     if getattr(args, "json", False):
