@@ -64,3 +64,11 @@ def stop_proc(proc: subprocess.Popen) -> None:
             proc.wait()
     if proc.stderr:
         proc.stderr.close()
+
+
+def default_sigint() -> None:
+    """preexec_fn for children the tests interrupt: a job a non-interactive shell starts in the background
+    inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler at all."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .agent_support import EXAMPLE, FAKE, ROOT
+from .agent_support import EXAMPLE, FAKE, ROOT, default_sigint
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir() or sys.platform == "win32", reason="needs Linux /proc")
 
@@ -58,8 +58,8 @@ def _alive(pid: int, started: str) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_servers_stop_when_the_holder_is_signalled(sig):
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER], preexec_fn=default_sigint, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     kids: dict[int, str] = {}
     try:
         line = proc.stdout.readline()

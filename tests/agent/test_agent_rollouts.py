@@ -30,7 +30,7 @@ from retrograd.data.pairs import load_pairs
 from retrograd.generation.llama import Generator, SamplingParams
 from retrograd.trainer import train
 
-from .agent_support import EXAMPLE, free_port, notes_table, stop_proc
+from .agent_support import EXAMPLE, default_sigint, free_port, notes_table, stop_proc
 from .conftest import SYSTEM
 
 pytestmark = pytest.mark.slow
@@ -204,6 +204,7 @@ def test_interrupted_collect_leaves_only_the_tmp(smollm, notes_adapter, tmp_path
     cfg = agent_config(tmp_path, smollm, notes_adapter)
     out = tmp_path / "t.jsonl"
     p = subprocess.Popen([sys.executable, "-m", "retrograd.cli", "collect", str(cfg), "--out", str(out), "--k", "2"],
+                         preexec_fn=default_sigint,  # a shell's background job starts with SIGINT ignored
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "RETRO_THREADS": str(THREADS)})
     tmp = Path(str(out) + ".tmp")
