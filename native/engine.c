@@ -23,6 +23,8 @@
 
 /* op kinds as counted by profiling and preflight: ggml ops, then unary ops */
 #define RG_OP_KEYS (GGML_OP_COUNT + GGML_UNARY_OP_COUNT)
+/* what a profiled node works on: the seven LoRA targets' base weights, then the kinds below */
+enum { RG_KIND_LORA = RG_N_TARGETS, RG_KIND_ATTENTION, RG_KIND_OTHER, RG_PROF_KINDS };
 
 struct rg_engine {
     rg_model           * model;
@@ -36,8 +38,10 @@ struct rg_engine {
     bool                 exact_ops;
     int                  matmul_mode;
     bool                 profiling;
-    double               prof_ms[RG_OP_KEYS];
-    int64_t              prof_n[RG_OP_KEYS];
+    /* tallies by [phase: 0 forward, 1 backward][op kind][what the node works on, RG_KIND_*] */
+    double               prof_ms[2][RG_OP_KEYS][RG_PROF_KINDS];
+    double               prof_flops[2][RG_OP_KEYS][RG_PROF_KINDS];
+    int64_t              prof_n[2][RG_OP_KEYS][RG_PROF_KINDS];
     double               prof_last;
     /* the last preflight: pre_n op kinds (in ggml op order) with their unsupported nodes */
     int                  pre_n;
@@ -56,6 +60,7 @@ typedef struct {
     rg_coeff_fn          fn;
     void               * user;
     int                  want_entropy, want_hidden;
+    int                  lora_rank;
     float              * logp;
     rg_status            status;
     double               t_start, t_hidden;
@@ -260,6 +265,14 @@ static struct ggml_tensor * transposed(rg_transposes * tc, struct ggml_context *
     return r;
 }
 
+/* node computes what op (a fresh outer.c op on the same shape) computes, in place: the backward's
+ * references to node stay valid */
+static void become(struct ggml_tensor * node, const struct ggml_tensor * op) {
+    node->op = op->op;
+    memcpy(node->op_params, op->op_params, sizeof(node->op_params));
+    for (int j = 0; j < GGML_MAX_SRC; j++) node->src[j] = op->src[j];
+}
+
 static struct ggml_cgraph * rewrite(rg_engine * e, rg_graph_build * b, struct ggml_cgraph * gf) {
     struct ggml_context * ctx = b->ctx;
     const int n = ggml_graph_n_nodes(gf);
@@ -272,11 +285,34 @@ static struct ggml_cgraph * rewrite(rg_engine * e, rg_graph_build * b, struct gg
                 if (node->src[j] == b->subst_from[k] && node != b->subst_to[k]) node->src[j] = b->subst_to[k];
             }
         }
+        const bool own = !e->exact_ops && ggml_is_contiguous(node);    /* outer.c's kernels allowed */
+        if (node->op == GGML_OP_MUL_MAT && own && e->matmul_mode != RG_MATMUL_NATIVE) {
+            /* LoRA's B (A x) in the forward: an inner dimension of the rank. (The native mode keeps
+             * ggml's kernel, as llama.cpp computes it.) */
+            struct ggml_tensor * m = node->src[0];
+            if ((m->flags & GGML_TENSOR_FLAG_PARAM) && m->ne[0] < m->ne[1] && m->ne[0] <= RG_RANK_EXPAND_MAX) {
+                struct ggml_tensor * v = transposed(&tc, ctx, m);
+                if (rg_rank_expand_fits(v, node->src[1])) become(node, rg_rank_expand(ctx, v, node->src[1]));
+            }
+            continue;
+        }
         if (node->op != GGML_OP_OUT_PROD) continue;
-        /* out_prod(a [n, m], b [p, m]) = mul_mat(a^T [m, n], b^T [m, p]); ggml's OUT_PROD kernel is
-         * slow on the CPU for every type, the matmul kernels are not */
         struct ggml_tensor * a = node->src[0], * bt = node->src[1];
         struct ggml_tensor * w = base_weight_of(e->model, a);
+        if (!w && own && bt->op != GGML_OP_TRANSPOSE && rg_outer_sum_fits(a, bt)) {
+            /* a weight gradient (LoRA's A or B, attention's K or V): both operands hold a token per
+             * column, which the outer-sum op reads as they are */
+            become(node, rg_outer_sum(ctx, a, bt));
+            continue;
+        }
+        if (!w && own && bt->op == GGML_OP_TRANSPOSE && rg_rank_expand_fits(a, bt->src[0])) {
+            /* an input gradient whose other operand is not a base weight (through LoRA's A: A d(ax);
+             * attention's queries and scores): a holds the contraction in its columns already */
+            become(node, rg_rank_expand(ctx, a, bt->src[0]));
+            continue;
+        }
+        /* out_prod(a [n, m], b [p, m]) = mul_mat(a^T [m, n], b^T [m, p]); ggml's OUT_PROD kernel is
+         * slow on the CPU for every type, the matmul kernels are not */
         struct ggml_tensor * x;
         if (w && w->type != GGML_TYPE_F32 && e->matmul_mode != RG_MATMUL_F32) {
             /* a frozen base weight: dequantize, transpose to F16 (transient, freed after use);
@@ -477,14 +513,42 @@ static int op_key(const struct ggml_tensor * t) {
     return t->op == GGML_OP_UNARY ? GGML_OP_COUNT + (int) ggml_get_unary_op(t) : (int) t->op;
 }
 
+/* Profiling: which weight a node works on. A node that reads a base weight (through casts and
+ * copies) is that weight's target; a product with the adapter's rank as a dimension is LoRA; a
+ * product batched over heads is attention; everything else is "other". */
+static int node_kind(const rg_engine * e, int rank, const struct ggml_tensor * t) {
+    for (int j = 0; j < 2; j++) {
+        struct ggml_tensor * w = t->src[j] ? base_weight_of(e->model, t->src[j]) : NULL;
+        if (!w) continue;
+        for (int il = 0; il < e->model->hp.n_layer; il++) {
+            for (int k = 0; k < RG_N_TARGETS; k++) if (e->model->layers[il].w[k] == w) return k;
+        }
+    }
+    const bool outer = t->op == GGML_OP_CUSTOM && t->src[1] != NULL;    /* outer.c's op */
+    if (t->op != GGML_OP_MUL_MAT && t->op != GGML_OP_OUT_PROD && !outer) return RG_KIND_OTHER;
+    const struct ggml_tensor * a = t->src[0];
+    if (t->ne[0] == rank || t->ne[1] == rank || a->ne[0] == rank || a->ne[1] == rank) return RG_KIND_LORA;
+    return t->ne[2] > 1 ? RG_KIND_ATTENTION : RG_KIND_OTHER;
+}
+
+static double node_flops(const struct ggml_tensor * t) {
+    if (t->op == GGML_OP_MUL_MAT) return 2.0 * (double) t->src[0]->ne[0] * (double) ggml_nelements(t);
+    if (t->op == GGML_OP_OUT_PROD || (t->op == GGML_OP_CUSTOM && t->src[1] != NULL)) {
+        return 2.0 * (double) t->src[0]->ne[1] * (double) ggml_nelements(t);
+    }
+    return 0.0;
+}
+
 static bool on_node(struct ggml_tensor * t, bool ask, void * user) {
     rg_run * r = user;
     rg_engine * pe = r->e;
     if (ask) return pe->profiling || t == r->hidden;
     if (pe->profiling) {
         const double now = rg_now_ms();
-        pe->prof_ms[op_key(t)] += now - pe->prof_last;
-        pe->prof_n[op_key(t)]++;
+        const int ph = r->t_hidden > 0, k = op_key(t), kind = node_kind(pe, r->lora_rank, t);
+        pe->prof_ms[ph][k][kind] += now - pe->prof_last;
+        pe->prof_flops[ph][k][kind] += node_flops(t);
+        pe->prof_n[ph][k][kind]++;
         pe->prof_last = now;
     }
     if (t != r->hidden) return true;
@@ -556,6 +620,7 @@ rg_status rg_engine_accumulate(rg_engine * e, rg_lora * lora, const rg_batch * b
     rg_run r = {
         .e = e, .batch = batch, .n_real = p.n_real, .hidden = o->b.hidden, .grad_hidden = o->grad_hidden, .fn = fn, .user = user,
         .want_entropy = want_entropy, .want_hidden = want_hidden, .logp = logp_out, .status = RG_OK,
+        .lora_rank = lora->rank,
     };
     r.t_start = rg_now_ms();
     e->prof_last = r.t_start;
@@ -667,39 +732,52 @@ static const char * op_key_name(int key) {
                                : ggml_unary_op_name((enum ggml_unary_op) (key - GGML_OP_COUNT));
 }
 
-/* the op kinds with tallies, most time first (ties: ggml op order); returns how many */
+static const char * kind_name(int kind) {
+    if (kind < RG_N_TARGETS) return rg_target_name(kind);
+    return kind == RG_KIND_LORA ? "lora" : kind == RG_KIND_ATTENTION ? "attention" : "other";
+}
+
+/* the tallied (phase, op, kind) cells as flat indices, most time first; returns how many */
+#define RG_PROF_CELLS (2 * RG_OP_KEYS * RG_PROF_KINDS)
 static int profile_order(const rg_engine * e, int * order) {
+    const double * ms = &e->prof_ms[0][0][0];
+    const int64_t * cnt = &e->prof_n[0][0][0];
     int n = 0;
-    for (int k = 0; k < RG_OP_KEYS; k++) {
-        if (!e->prof_n[k]) continue;
+    for (int c = 0; c < RG_PROF_CELLS; c++) {
+        if (!cnt[c]) continue;
         int i = n++;
-        while (i > 0 && e->prof_ms[order[i - 1]] < e->prof_ms[k]) {
+        while (i > 0 && ms[order[i - 1]] < ms[c]) {
             order[i] = order[i - 1];
             i--;
         }
-        order[i] = k;
+        order[i] = c;
     }
     return n;
 }
 
 int rg_engine_profile_count(const rg_engine * e) {
-    int order[RG_OP_KEYS];
+    static __thread int order[RG_PROF_CELLS];
     return profile_order(e, order);
 }
 
-rg_status rg_engine_profile_get(const rg_engine * e, int index, const char ** op, double * ms, int64_t * count) {
-    int order[RG_OP_KEYS];
+rg_status rg_engine_profile_get(const rg_engine * e, int index, rg_profile_entry * out) {
+    static __thread int order[RG_PROF_CELLS];
     const int n = profile_order(e, order);
     if (index < 0 || index >= n) return rg_fail(RG_ERR_ARG, "profile entry %d out of range (%d entries)", index, n);
-    const int k = order[index];
-    if (op) *op = op_key_name(k);
-    if (ms) *ms = e->prof_ms[k];
-    if (count) *count = e->prof_n[k];
+    const int c = order[index];
+    const int ph = c / (RG_OP_KEYS * RG_PROF_KINDS), k = (c / RG_PROF_KINDS) % RG_OP_KEYS, kind = c % RG_PROF_KINDS;
+    out->op = op_key_name(k);
+    out->kind = kind_name(kind);
+    out->backward = ph;
+    out->ms = e->prof_ms[ph][k][kind];
+    out->flops = e->prof_flops[ph][k][kind];
+    out->count = e->prof_n[ph][k][kind];
     return RG_OK;
 }
 
 void rg_engine_profile_reset(rg_engine * e) {
     memset(e->prof_ms, 0, sizeof(e->prof_ms));
+    memset(e->prof_flops, 0, sizeof(e->prof_flops));
     memset(e->prof_n, 0, sizeof(e->prof_n));
 }
 

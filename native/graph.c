@@ -51,10 +51,14 @@ static struct ggml_tensor * linear(rg_graph_build * b, int il, int t, struct ggm
     }
     if (b->lora && b->lora->pair_index[il][t] >= 0) {
         const rg_lora_pair * pr = &b->lora->pairs[b->lora->pair_index[il][t]];
-        struct ggml_tensor * ax = ggml_mul_mat(ctx, pr->a.t[RG_SLOT_PARAM], x);
-        struct ggml_tensor * bax = ggml_mul_mat(ctx, pr->b.t[RG_SLOT_PARAM], ax);
-        named(ax, "lora_ax", il);
-        y = ggml_add(ctx, y, ggml_scale(ctx, bax, b->lora->scale));
+        struct ggml_tensor * ax = named(ggml_mul_mat(ctx, pr->a.t[RG_SLOT_PARAM], x), "lora_ax", il);
+        if (b->matmul_mode == RG_MATMUL_NATIVE) {
+            /* llama.cpp's order, for bit-equal log-probs */
+            y = ggml_add(ctx, y, ggml_scale(ctx, ggml_mul_mat(ctx, pr->b.t[RG_SLOT_PARAM], ax), b->lora->scale));
+        } else {
+            /* the same sum, scaled where it is rank-wide rather than output-wide */
+            y = ggml_add(ctx, y, ggml_mul_mat(ctx, pr->b.t[RG_SLOT_PARAM], ggml_scale(ctx, ax, b->lora->scale)));
+        }
     }
     if (bias) y = ggml_add(ctx, y, bias);
     CHECK_SHAPE(b, y, w->ne[1], x->ne[1], 1, rg_target_name(t));
@@ -106,6 +110,11 @@ static struct ggml_tensor * attention(rg_graph_build * b, int il, struct ggml_te
     named(k, "k_rope", il);
 
     q = ggml_permute(ctx, q, 0, 2, 1, 3);                       /* [hd, T, n_head] */
+    /* made contiguous, the product below runs through ggml's tiled matmul (2-3x faster than its
+     * generic loop on the CPU). The native mode keeps llama.cpp's own route: its promise is
+     * bit-equal log-probs, and a last-bit change in the scores moves some activations across a
+     * rounding step of the quantized kernels (a 0.03 mean |diff| in log-prob, docs/numerics.md) */
+    if (b->matmul_mode != RG_MATMUL_NATIVE) q = ggml_cont(ctx, q);
     k = ggml_permute(ctx, k, 0, 2, 1, 3);                       /* [hd, T, n_kv] */
     struct ggml_tensor * kq = ggml_mul_mat(ctx, k, q);          /* [T_k, T_q, n_head] */
     CHECK_SHAPE(b, kq, T, T, hp->n_head, "kq");

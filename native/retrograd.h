@@ -223,14 +223,27 @@ rg_status rg_engine_preflight_get(const rg_engine * engine, int index, const cha
                                   int * count);
 void      rg_engine_get_timings(const rg_engine * engine, rg_timings * out);
 /* Per-op profiling of training graphs (slower: every node is computed on its own). The tallies
- * (milliseconds and node count per op kind) add up over accumulate calls until reset; entries
- * come largest time first. */
+ * add up over accumulate calls until reset, per phase (forward up to the hidden state, then the
+ * backward), ggml op kind and what the node works on: a LoRA target's base weight ("q" ... "down"),
+ * "lora", "attention" (head-batched products) or "other". flops counts multiply-adds x 2 of
+ * MUL_MAT and OUT_PROD nodes (0 for other ops). Entries come largest time first. */
+typedef struct {
+    const char * op;        /* ggml op name (static storage) */
+    const char * kind;      /* static storage */
+    int          backward;  /* 0 forward, 1 backward */
+    double       ms;
+    double       flops;
+    int64_t      count;
+} rg_profile_entry;
 void      rg_engine_set_profiling(rg_engine * engine, int on);
 int       rg_engine_profile_count(const rg_engine * engine);
-/* op: the op's name (static storage). RG_ERR_ARG out of range. */
-rg_status rg_engine_profile_get(const rg_engine * engine, int index, const char ** op,
-                                double * ms, int64_t * count);
+/* RG_ERR_ARG out of range. */
+rg_status rg_engine_profile_get(const rg_engine * engine, int index, rg_profile_entry * out);
 void      rg_engine_profile_reset(rg_engine * engine);
+/* Time ggml's CPU product of an [m, k] matrix of ggml type `type` (F32, F16 or a quantized
+ * type; k a multiple of its block size) with an F32 [k, n] one: seconds per product, the median
+ * rate is 2 m n k / seconds. A yardstick for the profile's FLOP rates, measured in the same run. */
+rg_status rg_matmul_bench(int type, int64_t m, int64_t n, int64_t k, int n_threads, int reps, double * seconds_out);
 /* RG_CDEF_END */
 
 #ifdef __cplusplus

@@ -101,7 +101,7 @@ typedef struct {
     struct ggml_tensor * inp_mask_swa;/* F32 [T, T] additionally windowed, NULL when unused */
     struct ggml_tensor * hidden;      /* F32 [n_embd, T] after the final norm */
     bool                 train;       /* build for autodiff (composite ops with a backward) */
-    bool                 exact_ops;   /* composite ops only, no fused substitutes */
+    bool                 exact_ops;   /* ggml's own ops only: no fused substitutes, no outer.c kernels */
     int                  matmul_mode; /* RG_MATMUL_* */
     /* after the backward is built, consumers of subst_from[i] read subst_to[i] instead: the
      * forward value then comes from llama.cpp's own fused op (bit-equal outputs) while the
@@ -119,6 +119,16 @@ void rg_fill_masks(const rg_hparams * hp, const rg_batch * batch, float * mask, 
 
 /* A transient F16 copy of a (quantized) weight, optionally transposed (convert.c). */
 struct ggml_tensor * rg_dequant_f16(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed);
+/* dst [n0, n1, H] = sum over t of p[:, t, h / (H / Hp)] q[:, t, h]^T for p [n0, T, Hp], q [n1, T, H]
+ * (outer.c); fits: F32, at most 3-D, each column contiguous */
+struct ggml_tensor * rg_outer_sum(struct ggml_context * ctx, struct ggml_tensor * p, struct ggml_tensor * q);
+bool rg_outer_sum_fits(const struct ggml_tensor * p, const struct ggml_tensor * q);
+/* dst [n, T, H] = v [n, r, Hv] z [r, T, H] (v's heads shared by H / Hv of z's): LoRA's products over
+ * the rank (the forward's B (A x) for r <= RG_RANK_EXPAND_MAX) and the input gradients of
+ * products whose other operand has its contraction inside columns (outer.c) */
+#define RG_RANK_EXPAND_MAX 64
+struct ggml_tensor * rg_rank_expand(struct ggml_context * ctx, struct ggml_tensor * v, struct ggml_tensor * z);
+bool rg_rank_expand_fits(const struct ggml_tensor * v, const struct ggml_tensor * z);
 
 /* Whether a weight of this type is multiplied through an on-the-fly F16 copy. */
 bool rg_use_f16_matmul(enum ggml_type type, int mode);

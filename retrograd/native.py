@@ -342,6 +342,18 @@ class Timings:
     n_nodes: int
 
 
+@dataclass(frozen=True)
+class ProfileEntry:
+    """One cell of a training-graph profile: phase ("forward"/"backward"), ggml op, and what the
+    nodes work on (a target's base weight "q" ... "down", "lora", "attention" or "other")."""
+    phase: str
+    op: str
+    kind: str
+    ms: float
+    flops: float
+    count: int
+
+
 _MATMUL_MODES = {"auto": lib.RG_MATMUL_AUTO, "native": lib.RG_MATMUL_NATIVE, "f16": lib.RG_MATMUL_F16,
                  "f32": lib.RG_MATMUL_F32}
 
@@ -431,13 +443,14 @@ class Engine(_Handle):
     def set_profiling(self, on: bool) -> None:
         lib.rg_engine_set_profiling(self._ptr, int(on))
 
-    def profile(self, reset: bool = True) -> list[tuple[str, float, int]]:
-        """(op, milliseconds, count) per op kind, largest first, since the last reset."""
-        op, ms, count = ffi.new("char **"), ffi.new("double *"), ffi.new("int64_t *")
+    def profile(self, reset: bool = True) -> list[ProfileEntry]:
+        """Per (phase, op, kind) tallies since the last reset, largest time first."""
+        e = ffi.new("rg_profile_entry *")
         out = []
         for i in range(lib.rg_engine_profile_count(self._ptr)):
-            _check(lib.rg_engine_profile_get(self._ptr, i, op, ms, count))
-            out.append((ffi.string(op[0]).decode(), float(ms[0]), int(count[0])))
+            _check(lib.rg_engine_profile_get(self._ptr, i, e))
+            out.append(ProfileEntry("backward" if e.backward else "forward", ffi.string(e.op).decode(),
+                                    ffi.string(e.kind).decode(), float(e.ms), float(e.flops), int(e.count)))
         if reset:
             lib.rg_engine_profile_reset(self._ptr)
         return out

@@ -180,6 +180,37 @@ def test_lora_gradients_match_finite_differences(tiny, arch):
     assert worst < 1e-2, f"{arch}: worst relative gradient error {worst}"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_own_kernels_match_ggml_ops(tiny, smollm, arch):
+    """outer.c's products (LoRA forward and gradients, attention gradients) against the same graph
+    on ggml's own ops (exact_ops): log-probs and every gradient, on shapes that leave partial tiles
+    (widths not multiples of 16, token counts not multiples of 4, grouped-query heads)."""
+    path = smollm if arch == "llama" else tiny(arch, n_layer=2, n_embd=40, n_head=4, n_head_kv=2, n_ff=72,
+                                                  n_vocab=270)
+    rng = np.random.default_rng(3)
+    grads, logps = [], []
+    for exact in (True, False):
+        tr = Trainable(path, LoraSpec(6, 12.0), threads=THREADS, seed=1)
+        tr.engine.set_exact_ops(exact)
+        tr.engine.set_matmul_mode("f32")   # F16 activations would turn last-bit differences into F16 steps
+        for t in tr.lora.tensors:
+            tr.lora.write(t.index, np.random.default_rng(t.index).standard_normal(t.shape).astype(np.float32) * 0.05)
+        toks = np.random.default_rng(0).integers(0, 256, 47).astype(np.int32)
+        batch = native.Batch.next_token(toks, np.array([0] * 30 + [1] * 17, np.int32))
+        coeff = rng.standard_normal(batch.n_targets).astype(np.float32) if not grads else coeff
+        tr.engine.set_profiling(True)
+        logps.append(tr.accumulate(batch, lambda inp: native.LossOutputs(coeff)))
+        custom = {(p.phase, p.kind) for p in tr.engine.profile() if p.op == "CUSTOM" and p.flops > 0}
+        # the fast graph runs outer.c's ops where ggml's would be; the exact one none of them
+        assert custom == (set() if exact else {("forward", "lora"), ("backward", "lora"), ("backward", "attention")})
+        grads.append({t.name: tr.lora.read(t.index, native.SLOT_GRAD) for t in tr.lora.tensors})
+        tr.close()
+    np.testing.assert_allclose(logps[1], logps[0], atol=2e-3)      # float32 sums in another order, 30 layers
+    for name, g in grads[0].items():
+        err = np.linalg.norm(grads[1][name] - g) / max(np.linalg.norm(g), 1e-12)
+        assert err < 1e-3, f"{arch} {name}: relative difference {err:.2e} between outer.c and ggml's ops"
+
+
 def test_loss_head_with_several_targets_per_row(tiny):
     """The head's sparse part: several (and repeated) token ids per row, as distillation uses."""
     tr = Trainable(tiny("llama", n_embd=32, n_ff=48), LoraSpec(4, 8.0), threads=THREADS)

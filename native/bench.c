@@ -1,0 +1,68 @@
+/*
+ * bench.c - one ggml product timed on the CPU: what the profile's FLOP rates are compared with.
+ *
+ * The profile of a training step says how many FLOP/s each op reached; this says what ggml's own
+ * kernel reaches on a plain product of the same kind on this machine, in the same process, so the
+ * two can be read side by side (a 2-core VM's speed drifts by a third from one minute to the
+ * next, so a peak measured yesterday is no yardstick).
+ */
+#include "rg_internal.h"
+
+#include "ggml-cpu.h"
+
+#include <stdlib.h>
+
+rg_status rg_matmul_bench(int type, int64_t m, int64_t n, int64_t k, int n_threads, int reps, double * seconds_out) {
+    if (type < 0 || type >= GGML_TYPE_COUNT || m < 1 || n < 1 || k < 1 || n_threads < 1 || reps < 1) {
+        return rg_fail(RG_ERR_ARG, "matmul bench: bad arguments (type %d, %lld x %lld x %lld, %d threads, %d reps)",
+                       type, (long long) m, (long long) n, (long long) k, n_threads, reps);
+    }
+    const enum ggml_type t = (enum ggml_type) type;
+    if (k % ggml_blck_size(t) != 0) return rg_fail(RG_ERR_ARG, "matmul bench: k must be a multiple of %lld", (long long) ggml_blck_size(t));
+    const size_t bytes = ggml_row_size(t, k) * (size_t) m + sizeof(float) * (size_t) (k * n + m * n + k * m) +
+                         ggml_tensor_overhead() * 8 + ggml_graph_overhead() + (1u << 20);
+    struct ggml_init_params ip = { bytes, NULL, false };
+    struct ggml_context * ctx = ggml_init(ip);
+    if (!ctx) return rg_fail(RG_ERR_NOMEM, "matmul bench: out of host memory (%zu bytes)", bytes);
+    struct ggml_tensor * a = ggml_new_tensor_2d(ctx, t, k, m);
+    struct ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n);
+    float * src = malloc(sizeof(float) * (size_t) (k * m));
+    if (!src) {
+        ggml_free(ctx);
+        return rg_fail(RG_ERR_NOMEM, "matmul bench: out of host memory");
+    }
+    uint32_t s = 12345u;                                     /* any values will do; not zeros */
+    for (int64_t i = 0; i < k * m; i++) {
+        s = s * 1664525u + 1013904223u;
+        src[i] = (float) ((int32_t) (s >> 9) - (1 << 22)) / (float) (1 << 22);
+    }
+    for (int64_t i = 0; i < k * n; i++) ((float *) x->data)[i] = src[i % (k * m)];
+    if (t == GGML_TYPE_F32) {
+        for (int64_t i = 0; i < k * m; i++) ((float *) a->data)[i] = src[i];
+    } else if (t == GGML_TYPE_F16) {
+        ggml_fp32_to_fp16_row(src, a->data, k * m);
+    } else {
+        ggml_quantize_chunk(t, src, a->data, 0, m, k, NULL);
+    }
+    free(src);
+    struct ggml_tensor * y = ggml_mul_mat(ctx, a, x);
+    struct ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, y);
+    struct ggml_cplan plan = ggml_graph_plan(gf, n_threads, NULL);
+    void * work = plan.work_size ? malloc(plan.work_size) : NULL;
+    if (plan.work_size && !work) {
+        ggml_free(ctx);
+        return rg_fail(RG_ERR_NOMEM, "matmul bench: out of host memory for the work buffer");
+    }
+    plan.work_data = work;
+    rg_status st = RG_OK;
+    double t0 = 0;
+    for (int r = -1; r < reps && st == RG_OK; r++) {           /* r = -1 warms up */
+        if (r == 0) t0 = rg_now_ms();
+        if (ggml_graph_compute(gf, &plan) != GGML_STATUS_SUCCESS) st = rg_fail(RG_ERR_COMPUTE, "matmul bench: the product failed");
+    }
+    free(work);
+    if (st == RG_OK) *seconds_out = (rg_now_ms() - t0) / 1000.0 / reps;
+    ggml_free(ctx);
+    return st;
+}

@@ -1,0 +1,204 @@
+/*
+ * outer.c - the thin products of LoRA and attention, with one register-tiled kernel.
+ *
+ * Two shapes of product are slow through ggml's CPU kernels on a training micro-batch:
+ *  - weight-style gradients, sum over tokens of p_t q_t^T (LoRA's dA and dB, attention's dK and
+ *    dV). ggml differentiates into OUT_PROD, whose CPU kernel is a series of short axpys, and the
+ *    route through MUL_MAT needs both operands transposed first, which cost more than the
+ *    product. Both operands already hold one token per column: `rg_outer_sum` reads them as they are.
+ *  - products whose inner dimension is the LoRA rank (B (A x) forward, A d(ax) backward): a
+ *    16-long dot product per output, which ggml's matmul runs at a fifth of its speed.
+ *    `rg_rank_expand` writes each output column as a sum of rank columns instead.
+ * Both come down to one kernel: a 4 x 16 tile of the result held in registers while the
+ * contraction runs, each step loading 16 values of one operand (the "vector" side) and 4 scalars
+ * of the other (the "broadcast" side) for 8 multiply-adds. Tiles are dealt to the threads round
+ * robin; sums run over the contraction in order, so results do not depend on the thread count.
+ * The profile that led here is in docs/benchmarks.md.
+ */
+#include "rg_internal.h"
+
+#include <string.h>
+
+#define VW 16   /* vector side of a tile */
+#define BW 4    /* broadcast side of a tile */
+
+/* One tile's operands: step s of the contraction reads V[s * ldv + 0..15] and
+ * B[s * ldb + i * sb] for i = 0..3. */
+typedef struct {
+    const float * V;
+    size_t        ldv;
+    const float * B;
+    size_t        ldb, sb;
+    int64_t       steps;
+} rg_tile;
+
+/* The portable version uses the compiler's vector extension (SSE2 or NEON registers); x86-64
+ * CPUs with AVX2 and FMA take the intrinsics version, chosen once at run time (the library is
+ * built for the baseline ISA). */
+typedef float rg_v4 __attribute__((vector_size(16)));
+
+static inline rg_v4 load4(const float * p) {
+    rg_v4 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static void tile_portable(const rg_tile * t, float acc[BW][VW]) {
+    rg_v4 a[BW][VW / 4];
+    memset(a, 0, sizeof(a));
+    for (int64_t s = 0; s < t->steps; s++) {
+        const float * v = t->V + (size_t) s * t->ldv;
+        const float * b = t->B + (size_t) s * t->ldb;
+        rg_v4 x[VW / 4];
+        for (int j = 0; j < VW / 4; j++) x[j] = load4(v + 4 * j);
+        for (int i = 0; i < BW; i++) {
+            for (int j = 0; j < VW / 4; j++) a[i][j] += b[i * t->sb] * x[j];
+        }
+    }
+    memcpy(acc, a, sizeof(a));
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define RG_HAVE_AVX2_PATH 1
+
+__attribute__((target("avx2,fma")))
+static void tile_avx2(const rg_tile * t, float acc[BW][VW]) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    const size_t sb = t->sb;
+    for (int64_t s = 0; s < t->steps; s++) {
+        const float * v = t->V + (size_t) s * t->ldv;
+        const float * b = t->B + (size_t) s * t->ldb;
+        const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+        __m256 x = _mm256_broadcast_ss(b);
+        a00 = _mm256_fmadd_ps(x, v0, a00);
+        a01 = _mm256_fmadd_ps(x, v1, a01);
+        x = _mm256_broadcast_ss(b + sb);
+        a10 = _mm256_fmadd_ps(x, v0, a10);
+        a11 = _mm256_fmadd_ps(x, v1, a11);
+        x = _mm256_broadcast_ss(b + 2 * sb);
+        a20 = _mm256_fmadd_ps(x, v0, a20);
+        a21 = _mm256_fmadd_ps(x, v1, a21);
+        x = _mm256_broadcast_ss(b + 3 * sb);
+        a30 = _mm256_fmadd_ps(x, v0, a30);
+        a31 = _mm256_fmadd_ps(x, v1, a31);
+    }
+    _mm256_storeu_ps(acc[0], a00);
+    _mm256_storeu_ps(acc[0] + 8, a01);
+    _mm256_storeu_ps(acc[1], a10);
+    _mm256_storeu_ps(acc[1] + 8, a11);
+    _mm256_storeu_ps(acc[2], a20);
+    _mm256_storeu_ps(acc[2] + 8, a21);
+    _mm256_storeu_ps(acc[3], a30);
+    _mm256_storeu_ps(acc[3] + 8, a31);
+}
+#endif
+
+/* a full tile (nv = VW, nb = BW) through the fastest kernel this CPU has, or a tile cut by the
+ * edge of the result through a plain loop */
+static void tile(const rg_tile * t, int nv, int nb, float acc[BW][VW]) {
+    if (nv == VW && nb == BW) {
+#ifdef RG_HAVE_AVX2_PATH
+        static int have = -1;   /* benign race: every thread computes the same answer */
+        if (have < 0) {
+            __builtin_cpu_init();
+            have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        }
+        if (have) {
+            tile_avx2(t, acc);
+            return;
+        }
+#endif
+        tile_portable(t, acc);
+        return;
+    }
+    memset(acc, 0, sizeof(float) * BW * VW);
+    for (int64_t s = 0; s < t->steps; s++) {
+        const float * v = t->V + (size_t) s * t->ldv;
+        const float * b = t->B + (size_t) s * t->ldb;
+        for (int i = 0; i < nb; i++) {
+            for (int j = 0; j < nv; j++) acc[i][j] += b[i * t->sb] * v[j];
+        }
+    }
+}
+
+/* ---- sum of outer products ------------------------------------------------------------------ */
+/* dst [n0, n1, H] = sum_t p[:, t, h'] q[:, t, h]^T for p = src[0] [n0, T, Hp], q = src[1] [n1, T, H],
+ * h' = h / (H / Hp) (grouped-query attention shares a key head between H / Hp query heads) */
+static void outer_sum(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const struct ggml_tensor * p = dst->src[0], * q = dst->src[1];
+    const int64_t n0 = p->ne[0], n1 = q->ne[0], H = q->ne[2], rep = H / p->ne[2];
+    const bool p_vec = n0 >= n1;                     /* the wider operand is the vector side */
+    const struct ggml_tensor * vt = p_vec ? p : q, * bt = p_vec ? q : p;
+    const int64_t nv = vt->ne[0], nbr = bt->ne[0];
+    const int64_t tv = (nv + VW - 1) / VW, tb = (nbr + BW - 1) / BW, per_head = tv * tb;
+    const size_t ld_out = dst->nb[1] / sizeof(float);
+    float acc[BW][VW];
+    /* v-major order: a thread's consecutive tiles share the vector block, which stays in cache */
+    for (int64_t k = ith; k < per_head * H; k += nth) {
+        const int64_t h = k / per_head, kk = k % per_head;
+        const int64_t v0 = (kk / tb) * VW, b0 = (kk % tb) * BW;
+        const int cv = (int) (nv - v0 < VW ? nv - v0 : VW), cb = (int) (nbr - b0 < BW ? nbr - b0 : BW);
+        const char * pv = (const char *) p->data + (h / rep) * p->nb[2], * qv = (const char *) q->data + h * q->nb[2];
+        const rg_tile t = {
+            .V = (const float *) (p_vec ? pv : qv) + v0, .ldv = vt->nb[1] / sizeof(float),
+            .B = (const float *) (p_vec ? qv : pv) + b0, .ldb = bt->nb[1] / sizeof(float), .sb = 1,
+            .steps = p->ne[1],
+        };
+        tile(&t, cv, cb, acc);
+        float * out = (float *) ((char *) dst->data + h * dst->nb[2]);
+        for (int i = 0; i < cb; i++) {
+            for (int j = 0; j < cv; j++) {
+                const int64_t i0 = p_vec ? v0 + j : b0 + i, i1 = p_vec ? b0 + i : v0 + j;
+                out[i0 + i1 * (int64_t) ld_out] = acc[i][j];
+            }
+        }
+    }
+}
+
+bool rg_outer_sum_fits(const struct ggml_tensor * p, const struct ggml_tensor * q) {
+    return p->type == GGML_TYPE_F32 && q->type == GGML_TYPE_F32 && p->nb[0] == sizeof(float) &&
+           q->nb[0] == sizeof(float) && p->ne[1] == q->ne[1] && p->ne[3] == 1 && q->ne[3] == 1 &&
+           q->ne[2] % p->ne[2] == 0 && p->nb[1] % sizeof(float) == 0 && q->nb[1] % sizeof(float) == 0;
+}
+
+struct ggml_tensor * rg_outer_sum(struct ggml_context * ctx, struct ggml_tensor * p, struct ggml_tensor * q) {
+    struct ggml_tensor * args[2] = { p, q };
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, p->ne[0], q->ne[0], q->ne[2], 1, args, 2, outer_sum, GGML_N_TASKS_MAX, NULL);
+}
+
+/* ---- products over a short inner dimension ------------------------------------------------ */
+/* dst [n, T, H] = v [n, r, h'] z [r, T, h]: dst[:, t, h] = sum_j z[j, t, h] v[:, j, h'], h' = h / (H / Hv) */
+static void rank_expand(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const struct ggml_tensor * v = dst->src[0], * z = dst->src[1];
+    const int64_t n = v->ne[0], T = z->ne[1], H = z->ne[2], rep = H / v->ne[2];
+    const int64_t tv = (n + VW - 1) / VW, tb = (T + BW - 1) / BW, per_head = tv * tb;
+    const size_t ld_out = dst->nb[1] / sizeof(float), ldz = z->nb[1] / sizeof(float);
+    float acc[BW][VW];
+    for (int64_t k = ith; k < per_head * H; k += nth) {
+        const int64_t h = k / per_head, kk = k % per_head;
+        const int64_t v0 = (kk / tb) * VW, t0 = (kk % tb) * BW;
+        const int cv = (int) (n - v0 < VW ? n - v0 : VW), cb = (int) (T - t0 < BW ? T - t0 : BW);
+        const rg_tile t = {
+            .V = (const float *) ((const char *) v->data + (h / rep) * v->nb[2]) + v0, .ldv = v->nb[1] / sizeof(float),
+            .B = (const float *) ((const char *) z->data + h * z->nb[2]) + (size_t) t0 * ldz, .ldb = 1, .sb = ldz,
+            .steps = v->ne[1],
+        };
+        tile(&t, cv, cb, acc);
+        float * out = (float *) ((char *) dst->data + h * dst->nb[2]);
+        for (int i = 0; i < cb; i++) memcpy(out + (size_t) (t0 + i) * ld_out + v0, acc[i], sizeof(float) * (size_t) cv);
+    }
+}
+
+bool rg_rank_expand_fits(const struct ggml_tensor * v, const struct ggml_tensor * z) {
+    return v->type == GGML_TYPE_F32 && z->type == GGML_TYPE_F32 && v->nb[0] == sizeof(float) &&
+           z->nb[0] == sizeof(float) && v->ne[1] == z->ne[0] && v->ne[3] == 1 && z->ne[3] == 1 &&
+           z->ne[2] % v->ne[2] == 0 && v->nb[1] % sizeof(float) == 0 && z->nb[1] % sizeof(float) == 0;
+}
+
+struct ggml_tensor * rg_rank_expand(struct ggml_context * ctx, struct ggml_tensor * v, struct ggml_tensor * z) {
+    struct ggml_tensor * args[2] = { v, z };
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, v->ne[0], z->ne[1], z->ne[2], 1, args, 2, rank_expand, GGML_N_TASKS_MAX, NULL);
+}
