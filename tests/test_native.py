@@ -187,7 +187,9 @@ def test_own_kernels_match_ggml_ops(tiny, smollm, arch):
     (widths not multiples of 16, token counts not multiples of 4, grouped-query heads)."""
     path = smollm if arch == "llama" else tiny(arch, n_layer=2, n_embd=40, n_head=4, n_head_kv=2, n_ff=72,
                                                   n_vocab=270)
-    rng = np.random.default_rng(3)
+    toks = np.random.default_rng(0).integers(0, 256, 47).astype(np.int32)
+    batch = native.Batch.next_token(toks, np.array([0] * 30 + [1] * 17, np.int32))
+    coeff = np.random.default_rng(3).standard_normal(batch.n_targets).astype(np.float32)
     grads, logps = [], []
     for exact in (True, False):
         tr = Trainable(path, LoraSpec(6, 12.0), threads=THREADS, seed=1)
@@ -195,9 +197,6 @@ def test_own_kernels_match_ggml_ops(tiny, smollm, arch):
         tr.engine.set_matmul_mode("f32")   # F16 activations would turn last-bit differences into F16 steps
         for t in tr.lora.tensors:
             tr.lora.write(t.index, np.random.default_rng(t.index).standard_normal(t.shape).astype(np.float32) * 0.05)
-        toks = np.random.default_rng(0).integers(0, 256, 47).astype(np.int32)
-        batch = native.Batch.next_token(toks, np.array([0] * 30 + [1] * 17, np.int32))
-        coeff = rng.standard_normal(batch.n_targets).astype(np.float32) if not grads else coeff
         tr.engine.set_profiling(True)
         logps.append(tr.accumulate(batch, lambda inp: native.LossOutputs(coeff)))
         custom = {(p.phase, p.kind) for p in tr.engine.profile() if p.op == "CUSTOM" and p.flops > 0}
