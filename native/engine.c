@@ -7,10 +7,9 @@
  * (head.c) computes log-probs, the caller turns them into coefficients, and the head writes
  * G = d(loss)/d(h); then the scheduler carries on with the backward.
  *
- * After ggml_build_backward_expand, every OUT_PROD(W, transpose(dy)) whose W is a frozen base
- * weight is rewritten into MUL_MAT(cont(transpose(cast(W, F32))), dy): the same numbers, but
- * through the fast matmul kernel instead of ggml's OUT_PROD on quantized data (10-15x slower on
- * the CPU, see docs/architecture.md). The dequantized copy is a transient the allocator frees right away.
+ * Between ggml_build_backward_expand and the run, rewrite.c replaces the products ggml would
+ * compute slowly (base-weight gradients, LoRA's and attention's thin products) and orders the
+ * dequantized weight copies so that each is a short-lived transient (docs/architecture.md).
  */
 #include "rg_internal.h"
 
@@ -20,11 +19,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* op kinds as counted by profiling and preflight: ggml ops, then unary ops */
-#define RG_OP_KEYS (GGML_OP_COUNT + GGML_UNARY_OP_COUNT)
-/* what a profiled node works on: the seven LoRA targets' base weights, then the kinds below */
-enum { RG_KIND_LORA = RG_N_TARGETS, RG_KIND_ATTENTION, RG_KIND_OTHER, RG_PROF_KINDS };
 
 struct rg_engine {
     rg_model           * model;
@@ -38,10 +32,7 @@ struct rg_engine {
     bool                 exact_ops;
     int                  matmul_mode;
     bool                 profiling;
-    /* tallies by [phase: 0 forward, 1 backward][op kind][what the node works on, RG_KIND_*] */
-    double               prof_ms[2][RG_OP_KEYS][RG_PROF_KINDS];
-    double               prof_flops[2][RG_OP_KEYS][RG_PROF_KINDS];
-    int64_t              prof_n[2][RG_OP_KEYS][RG_PROF_KINDS];
+    rg_profile           prof;
     double               prof_last;
     /* the last preflight: pre_n op kinds (in ggml op order) with their unsupported nodes */
     int                  pre_n;
@@ -224,124 +215,6 @@ static struct ggml_tensor * grad_of_param(const rg_lora * l, const struct ggml_t
     return NULL;
 }
 
-static bool is_base_weight(const rg_model * m, const struct ggml_tensor * t) {
-    return t->op == GGML_OP_NONE && t->buffer == m->wbuf;
-}
-
-/* the base weight a tensor was converted from (through casts), or NULL */
-static struct ggml_tensor * base_weight_of(const rg_model * m, struct ggml_tensor * t) {
-    while (t && !is_base_weight(m, t)) {
-        if (t->op != GGML_OP_CPY && t->op != GGML_OP_DUP && t->op != GGML_OP_CONT && t->op != GGML_OP_CUSTOM) return NULL;
-        t = t->src[0];
-    }
-    return t;
-}
-
-/* Two rewrites of the graph after ggml_build_backward_expand:
- *  - OUT_PROD(W, transpose(dy)) for a frozen base weight W becomes
- *    MUL_MAT(cont(transpose(cast(W, F32))), dy);
- *  - consumers of a composite op listed in b->subst_from read the fused op instead.
- * The nodes are then re-expanded into a fresh graph so new sources precede their users. */
-static bool is_dead(const rg_graph_build * b, const struct ggml_tensor * t) {
-    for (int i = 0; i < b->n_subst; i++) if (b->subst_from[i] == t) return true;
-    return false;
-}
-
-/* cont(transpose(t)), made once per source even when several products need it (the input of
- * q, k and v is one tensor) */
-typedef struct {
-    struct ggml_tensor * src[1024];
-    struct ggml_tensor * dst[1024];
-    int                  n;
-} rg_transposes;
-
-static struct ggml_tensor * transposed(rg_transposes * tc, struct ggml_context * ctx, struct ggml_tensor * t) {
-    for (int i = 0; i < tc->n; i++) if (tc->src[i] == t) return tc->dst[i];
-    struct ggml_tensor * r = ggml_cont(ctx, ggml_transpose(ctx, t));
-    if (tc->n < 1024) {
-        tc->src[tc->n] = t;
-        tc->dst[tc->n++] = r;
-    }
-    return r;
-}
-
-/* node computes what op (a fresh outer.c op on the same shape) computes, in place: the backward's
- * references to node stay valid */
-static void become(struct ggml_tensor * node, const struct ggml_tensor * op) {
-    node->op = op->op;
-    memcpy(node->op_params, op->op_params, sizeof(node->op_params));
-    for (int j = 0; j < GGML_MAX_SRC; j++) node->src[j] = op->src[j];
-}
-
-static struct ggml_cgraph * rewrite(rg_engine * e, rg_graph_build * b, struct ggml_cgraph * gf) {
-    struct ggml_context * ctx = b->ctx;
-    const int n = ggml_graph_n_nodes(gf);
-    static __thread rg_transposes tc;
-    tc.n = 0;
-    for (int i = 0; i < n; i++) {
-        struct ggml_tensor * node = ggml_graph_node(gf, i);
-        for (int j = 0; j < GGML_MAX_SRC; j++) {
-            for (int k = 0; k < b->n_subst; k++) {
-                if (node->src[j] == b->subst_from[k] && node != b->subst_to[k]) node->src[j] = b->subst_to[k];
-            }
-        }
-        const bool own = !e->exact_ops && ggml_is_contiguous(node);    /* outer.c's kernels allowed */
-        if (node->op == GGML_OP_MUL_MAT && own && e->matmul_mode != RG_MATMUL_NATIVE) {
-            /* LoRA's B (A x) in the forward: an inner dimension of the rank. (The native mode keeps
-             * ggml's kernel, as llama.cpp computes it.) */
-            struct ggml_tensor * m = node->src[0];
-            if ((m->flags & GGML_TENSOR_FLAG_PARAM) && m->ne[0] < m->ne[1] && m->ne[0] <= RG_RANK_EXPAND_MAX) {
-                struct ggml_tensor * v = transposed(&tc, ctx, m);
-                if (rg_rank_expand_fits(v, node->src[1])) become(node, rg_rank_expand(ctx, v, node->src[1]));
-            }
-            continue;
-        }
-        if (node->op != GGML_OP_OUT_PROD) continue;
-        struct ggml_tensor * a = node->src[0], * bt = node->src[1];
-        struct ggml_tensor * w = base_weight_of(e->model, a);
-        if (!w && own && bt->op != GGML_OP_TRANSPOSE && rg_outer_sum_fits(a, bt)) {
-            /* a weight gradient (LoRA's A or B, attention's K or V): both operands hold a token per
-             * column, which the outer-sum op reads as they are */
-            become(node, rg_outer_sum(ctx, a, bt));
-            continue;
-        }
-        if (!w && own && bt->op == GGML_OP_TRANSPOSE && rg_rank_expand_fits(a, bt->src[0])) {
-            /* an input gradient whose other operand is not a base weight (through LoRA's A: A d(ax);
-             * attention's queries and scores): a holds the contraction in its columns already */
-            become(node, rg_rank_expand(ctx, a, bt->src[0]));
-            continue;
-        }
-        /* out_prod(a [n, m], b [p, m]) = mul_mat(a^T [m, n], b^T [m, p]); ggml's OUT_PROD kernel is
-         * slow on the CPU for every type, the matmul kernels are not */
-        struct ggml_tensor * x;
-        if (w && w->type != GGML_TYPE_F32 && e->matmul_mode != RG_MATMUL_F32) {
-            /* a frozen base weight: dequantize, transpose to F16 (transient, freed after use);
-             * F16 halves the copy and doubles the matmul speed against F32 (docs/architecture.md) */
-            x = w->type == GGML_TYPE_F16 ? ggml_cont(ctx, ggml_transpose(ctx, w)) : rg_dequant_f16(ctx, w, true);
-        } else if (w) {
-            x = ggml_cont(ctx, ggml_transpose(ctx, w->type == GGML_TYPE_F32 ? w : ggml_cast(ctx, w, GGML_TYPE_F32)));
-        } else {
-            x = transposed(&tc, ctx, a);
-        }
-        struct ggml_tensor * y = bt->op == GGML_OP_TRANSPOSE ? bt->src[0] : transposed(&tc, ctx, bt);
-        if (x->ne[0] != y->ne[0] || node->ne[0] != x->ne[1] || node->ne[1] != y->ne[1] ||
-            node->ne[2] != y->ne[2] || node->ne[3] != y->ne[3] || y->ne[2] % x->ne[2] != 0 ||
-            y->nb[0] != sizeof(float)) {
-            continue;   /* not a shape mul_mat can express: keep the OUT_PROD */
-        }
-        node->op = GGML_OP_MUL_MAT;
-        memset(node->op_params, 0, sizeof(node->op_params));
-        node->src[0] = x;
-        node->src[1] = y;
-    }
-    struct ggml_cgraph * g2 = ggml_new_graph_custom(ctx, e->graph_size, false);
-    for (int i = 0; i < n; i++) {
-        struct ggml_tensor * node = ggml_graph_node(gf, i);
-        if (!is_dead(b, node)) ggml_build_forward_expand(g2, node);
-    }
-    return g2;
-}
-
 static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, bool train, rg_built * o) {
     const double t0 = rg_now_ms();
     memset(o, 0, sizeof(*o));
@@ -362,8 +235,9 @@ static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, bool tra
     struct ggml_tensor * hidden = o->b.hidden;
     if (!train) {
         ggml_set_output(hidden);
-        o->gf = ggml_new_graph_custom(o->ctx, e->graph_size, false);
-        ggml_build_forward_expand(o->gf, hidden);
+        struct ggml_cgraph * gf = ggml_new_graph_custom(o->ctx, e->graph_size, false);
+        ggml_build_forward_expand(gf, hidden);
+        o->gf = rg_graph_reordered(o->ctx, gf, e->graph_size, &o->b);
         e->timings.build_ms += rg_now_ms() - t0;
         return RG_OK;
     }
@@ -398,7 +272,7 @@ static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, bool tra
     free(accs);
     o->loss_grad = ggml_graph_get_grad_acc(gf, loss);
     ggml_set_input(o->loss_grad);
-    o->gf = rewrite(e, &o->b, gf);
+    o->gf = rg_graph_rewrite(&o->b, gf, e->graph_size);
     e->timings.build_ms += rg_now_ms() - t0;
     return RG_OK;
 }
@@ -428,6 +302,8 @@ static rg_status alloc_and_set_inputs(rg_engine * e, rg_built * o, const rg_batc
     }
     e->timings.alloc_ms += rg_now_ms() - t0;
     e->timings.n_nodes = ggml_graph_n_nodes(o->gf);
+    const double mib = (double) ggml_backend_sched_get_buffer_size(e->sched, e->model->backend) / (1024.0 * 1024.0);
+    if (mib > e->timings.graph_mib) e->timings.graph_mib = mib;
     return RG_OK;
 }
 
@@ -509,46 +385,13 @@ rg_status rg_engine_topk(rg_engine * e, rg_lora * lora, const rg_batch * batch, 
 }
 
 /* ---- training micro-batch --------------------------------------------------------------------- */
-static int op_key(const struct ggml_tensor * t) {
-    return t->op == GGML_OP_UNARY ? GGML_OP_COUNT + (int) ggml_get_unary_op(t) : (int) t->op;
-}
-
-/* Profiling: which weight a node works on. A node that reads a base weight (through casts and
- * copies) is that weight's target; a product with the adapter's rank as a dimension is LoRA; a
- * product batched over heads is attention; everything else is "other". */
-static int node_kind(const rg_engine * e, int rank, const struct ggml_tensor * t) {
-    for (int j = 0; j < 2; j++) {
-        struct ggml_tensor * w = t->src[j] ? base_weight_of(e->model, t->src[j]) : NULL;
-        if (!w) continue;
-        for (int il = 0; il < e->model->hp.n_layer; il++) {
-            for (int k = 0; k < RG_N_TARGETS; k++) if (e->model->layers[il].w[k] == w) return k;
-        }
-    }
-    const bool outer = t->op == GGML_OP_CUSTOM && t->src[1] != NULL;    /* outer.c's op */
-    if (t->op != GGML_OP_MUL_MAT && t->op != GGML_OP_OUT_PROD && !outer) return RG_KIND_OTHER;
-    const struct ggml_tensor * a = t->src[0];
-    if (t->ne[0] == rank || t->ne[1] == rank || a->ne[0] == rank || a->ne[1] == rank) return RG_KIND_LORA;
-    return t->ne[2] > 1 ? RG_KIND_ATTENTION : RG_KIND_OTHER;
-}
-
-static double node_flops(const struct ggml_tensor * t) {
-    if (t->op == GGML_OP_MUL_MAT) return 2.0 * (double) t->src[0]->ne[0] * (double) ggml_nelements(t);
-    if (t->op == GGML_OP_OUT_PROD || (t->op == GGML_OP_CUSTOM && t->src[1] != NULL)) {
-        return 2.0 * (double) t->src[0]->ne[1] * (double) ggml_nelements(t);
-    }
-    return 0.0;
-}
-
 static bool on_node(struct ggml_tensor * t, bool ask, void * user) {
     rg_run * r = user;
     rg_engine * pe = r->e;
     if (ask) return pe->profiling || t == r->hidden;
     if (pe->profiling) {
         const double now = rg_now_ms();
-        const int ph = r->t_hidden > 0, k = op_key(t), kind = node_kind(pe, r->lora_rank, t);
-        pe->prof_ms[ph][k][kind] += now - pe->prof_last;
-        pe->prof_flops[ph][k][kind] += node_flops(t);
-        pe->prof_n[ph][k][kind]++;
+        rg_profile_add(&pe->prof, pe->model, r->lora_rank, t, r->t_hidden > 0, now - pe->prof_last);
         pe->prof_last = now;
     }
     if (t != r->hidden) return true;
@@ -726,60 +569,11 @@ rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float 
 
 /* ---- profiling ------------------------------------------------------------------------------ */
 void rg_engine_set_profiling(rg_engine * e, int on) { e->profiling = on != 0; }
-
-static const char * op_key_name(int key) {
-    return key < GGML_OP_COUNT ? ggml_op_name((enum ggml_op) key)
-                               : ggml_unary_op_name((enum ggml_unary_op) (key - GGML_OP_COUNT));
-}
-
-static const char * kind_name(int kind) {
-    if (kind < RG_N_TARGETS) return rg_target_name(kind);
-    return kind == RG_KIND_LORA ? "lora" : kind == RG_KIND_ATTENTION ? "attention" : "other";
-}
-
-/* the tallied (phase, op, kind) cells as flat indices, most time first; returns how many */
-#define RG_PROF_CELLS (2 * RG_OP_KEYS * RG_PROF_KINDS)
-static int profile_order(const rg_engine * e, int * order) {
-    const double * ms = &e->prof_ms[0][0][0];
-    const int64_t * cnt = &e->prof_n[0][0][0];
-    int n = 0;
-    for (int c = 0; c < RG_PROF_CELLS; c++) {
-        if (!cnt[c]) continue;
-        int i = n++;
-        while (i > 0 && ms[order[i - 1]] < ms[c]) {
-            order[i] = order[i - 1];
-            i--;
-        }
-        order[i] = c;
-    }
-    return n;
-}
-
-int rg_engine_profile_count(const rg_engine * e) {
-    static __thread int order[RG_PROF_CELLS];
-    return profile_order(e, order);
-}
-
+int rg_engine_profile_count(const rg_engine * e) { return rg_profile_count(&e->prof); }
 rg_status rg_engine_profile_get(const rg_engine * e, int index, rg_profile_entry * out) {
-    static __thread int order[RG_PROF_CELLS];
-    const int n = profile_order(e, order);
-    if (index < 0 || index >= n) return rg_fail(RG_ERR_ARG, "profile entry %d out of range (%d entries)", index, n);
-    const int c = order[index];
-    const int ph = c / (RG_OP_KEYS * RG_PROF_KINDS), k = (c / RG_PROF_KINDS) % RG_OP_KEYS, kind = c % RG_PROF_KINDS;
-    out->op = op_key_name(k);
-    out->kind = kind_name(kind);
-    out->backward = ph;
-    out->ms = e->prof_ms[ph][k][kind];
-    out->flops = e->prof_flops[ph][k][kind];
-    out->count = e->prof_n[ph][k][kind];
-    return RG_OK;
+    return rg_profile_get(&e->prof, index, out);
 }
-
-void rg_engine_profile_reset(rg_engine * e) {
-    memset(e->prof_ms, 0, sizeof(e->prof_ms));
-    memset(e->prof_flops, 0, sizeof(e->prof_flops));
-    memset(e->prof_n, 0, sizeof(e->prof_n));
-}
+void rg_engine_profile_reset(rg_engine * e) { rg_profile_reset(&e->prof); }
 
 /* ---- preflight ------------------------------------------------------------------------------ */
 rg_status rg_engine_preflight(rg_engine * e, rg_lora * lora, int32_t n_tokens, int * n_unsupported) {
@@ -795,7 +589,7 @@ rg_status rg_engine_preflight(rg_engine * e, rg_lora * lora, int32_t n_tokens, i
     for (int i = 0; i < ggml_graph_n_nodes(o.gf); i++) {
         struct ggml_tensor * node = ggml_graph_node(o.gf, i);
         if (ggml_backend_dev_supports_op(e->model->dev, node)) continue;
-        const int key = op_key(node);
+        const int key = rg_op_key(node);
         counts[key]++;
         names[key] = ggml_op_desc(node);
         total++;

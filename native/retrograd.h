@@ -157,6 +157,7 @@ typedef struct {
     double backward_ms; /* everything after the head */
     double optimizer_ms;
     int    n_nodes;
+    double graph_mib;   /* the largest compute buffer a graph needed so far (activations, transients) */
 } rg_timings;
 
 /* Called once per micro-batch with the log-probs of the targets (and, when asked for, the

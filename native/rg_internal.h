@@ -118,6 +118,32 @@ bool rg_build_trunk(rg_graph_build * b);
 void rg_fill_masks(const rg_hparams * hp, const rg_batch * batch, float * mask, float * mask_swa);
 
 /* A transient F16 copy of a (quantized) weight, optionally transposed (convert.c). */
+/* op kinds as counted by profiling and preflight: ggml ops, then unary ops */
+#define RG_OP_KEYS (GGML_OP_COUNT + GGML_UNARY_OP_COUNT)
+int          rg_op_key(const struct ggml_tensor * t);
+const char * rg_op_key_name(int key);
+
+/* profile.c: tallies by [phase: 0 forward, 1 backward][op kind][what the node works on: a
+ * target's base weight (RG_TARGET_*), or one of the kinds below] */
+enum { RG_KIND_LORA = RG_N_TARGETS, RG_KIND_ATTENTION, RG_KIND_OTHER, RG_PROF_KINDS };
+typedef struct {
+    double  ms[2][RG_OP_KEYS][RG_PROF_KINDS];
+    double  flops[2][RG_OP_KEYS][RG_PROF_KINDS];
+    int64_t n[2][RG_OP_KEYS][RG_PROF_KINDS];
+} rg_profile;
+void      rg_profile_add(rg_profile * p, const rg_model * m, int rank, const struct ggml_tensor * t, int backward, double ms);
+int       rg_profile_count(const rg_profile * p);
+rg_status rg_profile_get(const rg_profile * p, int index, rg_profile_entry * out);
+void      rg_profile_reset(rg_profile * p);
+
+/* rewrite.c (see there) */
+bool                 rg_is_base_weight(const rg_model * m, const struct ggml_tensor * t);
+/* the base weight a tensor was converted from (through casts and copies), or NULL */
+struct ggml_tensor * rg_base_weight_of(const rg_model * m, struct ggml_tensor * t);
+struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * gf, size_t size);
+struct ggml_cgraph * rg_graph_reordered(struct ggml_context * ctx, struct ggml_cgraph * gf, size_t size,
+                                        const rg_graph_build * b);
+
 struct ggml_tensor * rg_dequant_f16(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed);
 /* dst [n0, n1, H] = sum over t of p[:, t, h / (H / Hp)] q[:, t, h]^T for p [n0, T, Hp], q [n1, T, H]
  * (outer.c); fits: F32, at most 3-D, each column contiguous */

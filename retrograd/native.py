@@ -340,6 +340,20 @@ class Timings:
     backward_ms: float
     optimizer_ms: float
     n_nodes: int
+    graph_mib: float = 0.0
+
+
+_GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 8, "q4_k": 12, "q6_k": 14}
+
+
+def matmul_bench(type_name: str, m: int, n: int, k: int, *, threads: int, reps: int = 10) -> float:
+    """FLOP/s of ggml's CPU product of an [m, k] matrix of `type_name` with an F32 [k, n] one (one
+    warm-up, then the mean of `reps`): the yardstick for a profile's rates, measured in the same run."""
+    if type_name not in _GGML_TYPES:
+        raise ValueError(f"matmul_bench: unknown type {type_name!r} (one of {', '.join(_GGML_TYPES)})")
+    out = ffi.new("double *")
+    _check(lib.rg_matmul_bench(_GGML_TYPES[type_name], m, n, k, threads, reps, out))
+    return 2.0 * m * n * k / out[0]
 
 
 @dataclass(frozen=True)
@@ -459,4 +473,4 @@ class Engine(_Handle):
         t = ffi.new("rg_timings *")
         lib.rg_engine_get_timings(self._ptr, t)
         return Timings(t.build_ms, t.alloc_ms, t.forward_ms, t.head_ms, t.backward_ms,
-                       t.optimizer_ms, t.n_nodes)
+                       t.optimizer_ms, t.n_nodes, t.graph_mib)

@@ -22,38 +22,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-OURS = r"""
-import json, statistics, sys, time
-import numpy as np
-from retrograd import native
-from retrograd.engine import LoraSpec, Trainable
-model, seq, batch, steps, mb = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-tr = Trainable(model, LoraSpec(16, 32.0), seed=0)
-rng = np.random.default_rng(0)
-x = rng.integers(0, tr.info.n_vocab, (batch, seq)).astype(np.int32)
-n_targets = batch * (seq - 1)
-per = max(1, mb // seq)
-def step(i):
-    for s in range(0, batch, per):
-        toks = x[s:s + per].reshape(-1)
-        seqs = np.repeat(np.arange(len(x[s:s + per])), seq)
-        b = native.Batch.next_token(toks, seqs)
-        tr.accumulate(b, lambda inp: native.LossOutputs(np.full(len(inp.logp), -1.0 / n_targets, np.float32)))
-    tr.optimizer_step(lr=2e-4, step=i + 1)
-step(0)
-times = []
-t0 = tr.engine.timings()
-for i in range(steps):
-    t = time.perf_counter(); step(i + 1); times.append(time.perf_counter() - t)
-t1 = tr.engine.timings()
-phases = {k: (getattr(t1, k) - getattr(t0, k)) / steps / 1000 for k in
-          ("forward_ms", "head_ms", "backward_ms", "optimizer_ms", "build_ms", "alloc_ms")}
-med = statistics.median(times)
-print(json.dumps({"tokens_s": batch * seq / med, "step_s": med, "steps": times, "phases_s": phases,
-                  "rss_mb": int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) / 1024}))
-"""
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF (default: the embedded default model)")
@@ -72,8 +40,8 @@ def main() -> None:
 
     model = args.model or str(default_model_path())
     env = {**os.environ, "RETRO_THREADS": str(args.threads), "THREADS": str(args.threads)}
-    out = subprocess.run([sys.executable, "-c", OURS, model, str(args.seq), str(args.batch), str(args.steps),
-                          str(args.micro_batch_tokens)], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-m", "retrograd.commands.profile_sft", model, str(args.seq), str(args.batch),
+                          str(args.steps), str(args.micro_batch_tokens)], capture_output=True, text=True, env=env)
     if out.returncode != 0:
         sys.exit(f"retrograd run failed:\n{out.stderr}")
     ours = json.loads(out.stdout.strip().splitlines()[-1])

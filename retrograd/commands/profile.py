@@ -80,21 +80,66 @@ def main(argv: list[str] | None = None) -> int:
                     "the median time of each phase of a step (generation, reference log-probs, forward, LM head, "
                     "backward, optimizer, adapter swap, total) and the peak resident memory as each phase ends. "
                     "The first step warms up and is not counted.")
-    ap.add_argument("config", help="a grpo or agent_grpo configuration (TOML)")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps after one warm-up step (default 4)")
-    ap.add_argument("--threads", type=int, help="CPU threads (default: as the configuration says)")
+    ap.add_argument("config", nargs="?", help="a grpo or agent_grpo configuration (TOML); not with --sft")
+    ap.add_argument("--steps", type=int, help="timed steps after one warm-up step (default 4; "
+                    "--sft: 3)")
+    ap.add_argument("--threads", type=int, help="CPU threads (default: as the configuration says; --sft: "
+                    "$RETRO_THREADS or every core)")
     ap.add_argument("--json", action="store_true", help="print the medians as one JSON object")
+    sft = ap.add_argument_group("--sft: the per-op profile of a LoRA training step")
+    sft.add_argument("--sft", action="store_true",
+                     help="profile an SFT step instead (the workload of scripts/bench_train.py): time and "
+                          "FLOP/s per phase, ggml op and weight kind, the LM head, and the step's effective "
+                          "FLOP/s against ggml's F16 product measured in the same run")
+    sft.add_argument("--model", help="GGUF to profile (default: the embedded default model)")
+    sft.add_argument("--batch", type=int, default=4, help="sequences a step (default 4)")
+    sft.add_argument("--seq", type=int, default=256, help="tokens a sequence (default 256)")
+    sft.add_argument("--micro-batch-tokens", type=int, default=256, help="tokens a micro-batch (default 256)")
+    sft.add_argument("--rank", type=int, default=16, help="LoRA rank, alpha = 2 x rank (default 16)")
+    sft.add_argument("--exact-ops", action="store_true",
+                     help="ggml's own ops only (none of retrograd's fused kernels): the comparison point")
     args = ap.parse_args(argv)
-    return reported(lambda: _profile(args))
+    return reported(lambda: _profile_sft(args) if args.sft else _profile(args))
+
+
+def _profile_sft(args: argparse.Namespace) -> int:
+    from retrograd.commands import positive
+    from retrograd.commands.profile_sft import print_report, profile_sft
+    from retrograd.engine import LoraSpec, Trainable
+    from retrograd.models import default_model_path
+    from retrograd.run_setup import resolve_threads
+
+    if args.config:
+        raise UsageError("--sft profiles a built-in SFT workload and takes no configuration file")
+    positive(args, "steps", "threads", "batch", "seq", "micro_batch_tokens", "rank")
+    threads = args.threads or resolve_threads()
+    model = args.model or str(default_model_path())
+    if not Path(model).is_file():
+        raise UsageError(f"--model: {model}: no such file")
+    steps = args.steps or 3
+    tr = Trainable(model, LoraSpec(args.rank, 2.0 * args.rank), threads=threads, seed=0)
+    tr.engine.set_exact_ops(args.exact_ops)
+    report = profile_sft(tr, batch=args.batch, seq=args.seq, micro_batch_tokens=args.micro_batch_tokens,
+                         steps=steps, threads=threads)
+    report["exact_ops"] = args.exact_ops
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    return 0
 
 
 def _profile(args: argparse.Namespace) -> int:
     from retrograd.commands import positive
+
+    if not args.config:
+        raise UsageError("give a grpo or agent_grpo configuration, or --sft")
     from retrograd.config import load
     from retrograd.context import open_model
     from retrograd.run_setup import resolve_threads
 
     positive(args, "steps", "threads")
+    args.steps = args.steps or 4
     if args.threads:
         os.environ["RETRO_THREADS"] = str(args.threads)
     cfg = load(Path(args.config))

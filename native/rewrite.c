@@ -1,0 +1,154 @@
+/*
+ * rewrite.c - what the training graph becomes after ggml's autodiff, before it runs.
+ *
+ * ggml_build_backward_expand writes every product's gradient as ggml would compute it; several
+ * of those are slow on the CPU or keep memory alive for nothing. After the backward is built:
+ *  - OUT_PROD(W, transpose(dy)) for a frozen base weight W becomes
+ *    MUL_MAT(dequantize-and-transpose(W), dy): the same numbers through the fast matmul kernel
+ *    instead of ggml's OUT_PROD on quantized data (10-15x slower, docs/architecture.md);
+ *  - the thin products of LoRA and attention become outer.c's kernels (sums of outer products
+ *    for weight gradients, products over the rank), with no transposed copies;
+ *  - consumers of a composite op listed in b->subst_from read the fused op instead;
+ *  - nodes are re-expanded into a fresh graph in which a weight's dequantized copy comes right
+ *    before its user (rg_graph_reordered), so only one layer's copies are live at a time.
+ * Nodes change in place (`become`): the backward's references to them stay valid.
+ */
+#include "rg_internal.h"
+
+#include <string.h>
+
+bool rg_is_base_weight(const rg_model * m, const struct ggml_tensor * t) {
+    return t->op == GGML_OP_NONE && t->buffer == m->wbuf;
+}
+
+struct ggml_tensor * rg_base_weight_of(const rg_model * m, struct ggml_tensor * t) {
+    while (t && !rg_is_base_weight(m, t)) {
+        if (t->op != GGML_OP_CPY && t->op != GGML_OP_DUP && t->op != GGML_OP_CONT && t->op != GGML_OP_CUSTOM) return NULL;
+        t = t->src[0];
+    }
+    return t;
+}
+
+/* a composite op replaced by its fused twin (b->subst_from): left out of the rewritten graph */
+static bool is_dead(const rg_graph_build * b, const struct ggml_tensor * t) {
+    for (int i = 0; i < b->n_subst; i++) if (b->subst_from[i] == t) return true;
+    return false;
+}
+
+/* cont(transpose(t)), made once per source even when several products need it (the input of
+ * q, k and v is one tensor) */
+typedef struct {
+    struct ggml_tensor * src[1024];
+    struct ggml_tensor * dst[1024];
+    int                  n;
+} rg_transposes;
+
+static struct ggml_tensor * transposed(rg_transposes * tc, struct ggml_context * ctx, struct ggml_tensor * t) {
+    for (int i = 0; i < tc->n; i++) if (tc->src[i] == t) return tc->dst[i];
+    struct ggml_tensor * r = ggml_cont(ctx, ggml_transpose(ctx, t));
+    if (tc->n < 1024) {
+        tc->src[tc->n] = t;
+        tc->dst[tc->n++] = r;
+    }
+    return r;
+}
+
+/* whether t depends on no graph input (tokens, positions, masks, the head's gradient): a weight,
+ * an adapter tensor, or a conversion of one (a dequantized copy, a transpose), up to `depth` ops deep */
+static bool input_free(const struct ggml_tensor * t, int depth) {
+    if (t->op == GGML_OP_NONE) return !(t->flags & GGML_TENSOR_FLAG_INPUT);
+    if (depth == 0) return false;
+    for (int j = 0; j < GGML_MAX_SRC; j++) {
+        if (t->src[j] && !input_free(t->src[j], depth - 1)) return false;
+    }
+    return true;
+}
+
+/* gf's nodes in a fresh graph, in their order, except that a node which depends on no input (a
+ * weight's dequantized copy) is placed right before its first user. ggml's depth-first expansion
+ * puts such nodes first: from the last layer back, each layer's first matmul visits its weight
+ * before the activations, which pull in all the layers below, so every layer's dequantized copy
+ * would be live from the start of the graph to its use (5.8 GB of F16 weights on a 7B model). */
+struct ggml_cgraph * rg_graph_reordered(struct ggml_context * ctx, struct ggml_cgraph * gf, size_t size,
+                                        const rg_graph_build * b) {
+    struct ggml_cgraph * g2 = ggml_new_graph_custom(ctx, size, false);
+    const int n = ggml_graph_n_nodes(gf);
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * node = ggml_graph_node(gf, i);
+        if (is_dead(b, node) || input_free(node, 4)) continue;     /* pulled in by their users */
+        ggml_build_forward_expand(g2, node);
+    }
+    return g2;
+}
+
+/* node computes what op (a fresh outer.c op on the same shape) computes, in place: the backward's
+ * references to node stay valid */
+static void become(struct ggml_tensor * node, const struct ggml_tensor * op) {
+    node->op = op->op;
+    memcpy(node->op_params, op->op_params, sizeof(node->op_params));
+    for (int j = 0; j < GGML_MAX_SRC; j++) node->src[j] = op->src[j];
+}
+
+struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * gf, size_t size) {
+    struct ggml_context * ctx = b->ctx;
+    const int n = ggml_graph_n_nodes(gf);
+    static __thread rg_transposes tc;
+    tc.n = 0;
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * node = ggml_graph_node(gf, i);
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            for (int k = 0; k < b->n_subst; k++) {
+                if (node->src[j] == b->subst_from[k] && node != b->subst_to[k]) node->src[j] = b->subst_to[k];
+            }
+        }
+        const bool own = !b->exact_ops && ggml_is_contiguous(node);    /* outer.c's kernels allowed */
+        if (node->op == GGML_OP_MUL_MAT && own && b->matmul_mode != RG_MATMUL_NATIVE) {
+            /* LoRA's B (A x) in the forward: an inner dimension of the rank. (The native mode keeps
+             * ggml's kernel, as llama.cpp computes it.) */
+            struct ggml_tensor * m = node->src[0];
+            if ((m->flags & GGML_TENSOR_FLAG_PARAM) && m->ne[0] < m->ne[1] && m->ne[0] <= RG_RANK_EXPAND_MAX) {
+                struct ggml_tensor * v = transposed(&tc, ctx, m);
+                if (rg_rank_expand_fits(v, node->src[1])) become(node, rg_rank_expand(ctx, v, node->src[1]));
+            }
+            continue;
+        }
+        if (node->op != GGML_OP_OUT_PROD) continue;
+        struct ggml_tensor * a = node->src[0], * bt = node->src[1];
+        struct ggml_tensor * w = rg_base_weight_of(b->model, a);
+        if (!w && own && bt->op != GGML_OP_TRANSPOSE && rg_outer_sum_fits(a, bt)) {
+            /* a weight gradient (LoRA's A or B, attention's K or V): both operands hold a token per
+             * column, which the outer-sum op reads as they are */
+            become(node, rg_outer_sum(ctx, a, bt));
+            continue;
+        }
+        if (!w && own && bt->op == GGML_OP_TRANSPOSE && rg_rank_expand_fits(a, bt->src[0])) {
+            /* an input gradient whose other operand is not a base weight (through LoRA's A: A d(ax);
+             * attention's queries and scores): a holds the contraction in its columns already */
+            become(node, rg_rank_expand(ctx, a, bt->src[0]));
+            continue;
+        }
+        /* out_prod(a [n, m], b [p, m]) = mul_mat(a^T [m, n], b^T [m, p]); ggml's OUT_PROD kernel is
+         * slow on the CPU for every type, the matmul kernels are not */
+        struct ggml_tensor * x;
+        if (w && w->type != GGML_TYPE_F32 && b->matmul_mode != RG_MATMUL_F32) {
+            /* a frozen base weight: dequantize, transpose to F16 (transient, freed after use);
+             * F16 halves the copy and doubles the matmul speed against F32 (docs/architecture.md) */
+            x = w->type == GGML_TYPE_F16 ? ggml_cont(ctx, ggml_transpose(ctx, w)) : rg_dequant_f16(ctx, w, true);
+        } else if (w) {
+            x = ggml_cont(ctx, ggml_transpose(ctx, w->type == GGML_TYPE_F32 ? w : ggml_cast(ctx, w, GGML_TYPE_F32)));
+        } else {
+            x = transposed(&tc, ctx, a);
+        }
+        struct ggml_tensor * y = bt->op == GGML_OP_TRANSPOSE ? bt->src[0] : transposed(&tc, ctx, bt);
+        if (x->ne[0] != y->ne[0] || node->ne[0] != x->ne[1] || node->ne[1] != y->ne[1] ||
+            node->ne[2] != y->ne[2] || node->ne[3] != y->ne[3] || y->ne[2] % x->ne[2] != 0 ||
+            y->nb[0] != sizeof(float)) {
+            continue;   /* not a shape mul_mat can express: keep the OUT_PROD */
+        }
+        node->op = GGML_OP_MUL_MAT;
+        memset(node->op_params, 0, sizeof(node->op_params));
+        node->src[0] = x;
+        node->src[1] = y;
+    }
+    return rg_graph_reordered(ctx, gf, size, b);
+}
