@@ -11,10 +11,11 @@ tokens are placeholders):
 
 The weights are Q4_K_M's mix: Q4_K everywhere, Q6_K for output.weight and for attn_v / ffn_down
 in the layers llama.cpp's Q4_K_M gives more bits (the first and last eighth, and every third in
-between); rows not a multiple of 256 wide fall back to Q8_0 (qwen2-0.5b's 896). Blocks are random bytes with the block scales set so the weights have a standard
-deviation near 0.02 and mean near 0: every block is valid for ggml (no NaN, no overflow), and
-the forward pass stays finite through any depth because of the RMS norms. Such a model says
-nothing about quality; its memory and speed are a real model's of that shape.
+between); rows not a multiple of 256 wide fall back to Q8_0, as llama.cpp does (qwen2-0.5b's 896).
+Blocks are random bytes with the block scales set so the weights have a standard deviation near
+0.02 and mean near 0: every block is valid for ggml (no NaN, no overflow), and the forward pass
+stays finite through any depth because of the RMS norms. Such a model says nothing about
+quality; its memory and speed are a real model's of that shape.
 
     python scripts/make_synthetic_model.py llama-7b [--out DIR]     # prints the path
     python scripts/make_synthetic_model.py --list
