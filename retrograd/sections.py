@@ -113,6 +113,9 @@ class RolloutSection:
     reward_errors: str = opt("raise", "a reward that fails: stop ('raise') or score 0 ('zero')", choices=("raise", "zero"))
     rewards: list = opt([], "reward functions with weights ([[grpo.rewards]] / [[ppo.rewards]] tables)", tables=True)
     eval_prompts: int = opt(32, "prompts scored at each evaluation (greedy, fixed)", min=1)
+    generator_weights: str = opt("native", "weights the rollout generator decodes with: the model file's own, or "
+                                 "a cached f16 / q8_0 copy (faster batched decoding on CPUs, more memory)",
+                                 choices=("native", "f16", "q8_0"))
 
 
 @dataclass

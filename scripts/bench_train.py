@@ -6,7 +6,11 @@ token) on the default model with retrograd, and in the same run a PyTorch + PEFT
 LoRA; called as `PYTHON BASELINE MODEL SEQ BATCH STEPS`, printing "... N tokens/s ... peak_rss M MiB"),
 then prints both and the ratio. Each side runs in its own process, so peak RSS is its own.
 
-    python scripts/bench_train.py [--model M] [--steps 5] [--baseline torch_lora_sft.py]
+The machines this runs on drift in speed by a third within minutes, so with `--rounds N` the two
+sides alternate N times (ours, theirs, ours, ...) and the report gives each side's median and the
+median of the per-round ratios.
+
+    python scripts/bench_train.py [--model M] [--steps 5] [--rounds 3] [--baseline torch_lora_sft.py]
                                   [--torch-python .venv-torch/bin/python]
 """
 
@@ -16,11 +20,13 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -28,6 +34,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1, help="alternate the two sides this many times (default 1)")
     ap.add_argument("--micro-batch-tokens", type=int, default=256)
     ap.add_argument("--torch-python", default=str(ROOT / ".venv-torch" / "bin" / "python"),
                     help="a Python with torch, transformers, peft and gguf")
@@ -40,29 +47,46 @@ def main() -> None:
 
     model = args.model or str(default_model_path())
     env = {**os.environ, "RETRO_THREADS": str(args.threads), "THREADS": str(args.threads)}
-    out = subprocess.run([sys.executable, "-m", "retrograd.commands.profile_sft", model, str(args.seq), str(args.batch),
-                          str(args.steps), str(args.micro_batch_tokens)], capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        sys.exit(f"retrograd run failed:\n{out.stderr}")
-    ours = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"retrograd   {ours['tokens_s']:7.1f} tokens/s  step {ours['step_s']:.2f} s (median of {args.steps})  "
-          f"peak RSS {ours['rss_mb']:.0f} MiB")
-    print("            per step: " + ", ".join(f"{k[:-3]} {v:.2f} s" for k, v in ours["phases_s"].items()))
     bench = Path(args.baseline) if args.baseline else None
+    skip = None
     if bench is None or not bench.is_file() or not Path(args.torch_python).exists():
-        missing = "--baseline not given" if bench is None else (
+        skip = "--baseline not given" if bench is None else (
             f"{bench} missing" if not bench.is_file() else f"{args.torch_python} missing")
-        print(f"torch+peft  skipped: {missing}")
+    ours_runs, theirs_runs = [], []
+    for r in range(args.rounds):
+        out = subprocess.run([sys.executable, "-m", "retrograd.commands.profile_sft", model, str(args.seq),
+                              str(args.batch), str(args.steps), str(args.micro_batch_tokens)],
+                             capture_output=True, text=True, env=env)
+        if out.returncode != 0:
+            sys.exit(f"retrograd run failed:\n{out.stderr}")
+        ours = json.loads(out.stdout.strip().splitlines()[-1])
+        ours_runs.append(ours)
+        print(f"round {r + 1}: retrograd   {ours['tokens_s']:7.1f} tokens/s  step {ours['step_s']:.2f} s "
+              f"(median of {args.steps})  peak RSS {ours['rss_mb']:.0f} MiB", flush=True)
+        print("                     per step: " + ", ".join(f"{k} {v:.2f} s" for k, v in ours["phases_s"].items()))
+        if skip:
+            continue
+        out = subprocess.run([args.torch_python, str(bench), model, str(args.seq), str(args.batch), str(args.steps)],
+                             capture_output=True, text=True, env=env)
+        m = re.search(r"([\d.]+) tokens/s.*peak_rss (\d+) MiB", out.stdout)
+        if out.returncode != 0 or not m:
+            print(f"torch+peft  failed:\n{out.stderr[-2000:]}")
+            skip = "failed"
+            continue
+        theirs_runs.append({"tokens_s": float(m.group(1)), "rss_mb": float(m.group(2))})
+        print(f"round {r + 1}: torch+peft  {theirs_runs[-1]['tokens_s']:7.1f} tokens/s  peak RSS "
+              f"{theirs_runs[-1]['rss_mb']:.0f} MiB", flush=True)
+    med = statistics.median
+    ours_tps, ours_rss = med(o["tokens_s"] for o in ours_runs), max(o["rss_mb"] for o in ours_runs)
+    print(f"retrograd   {ours_tps:7.1f} tokens/s (median of {len(ours_runs)} runs)  peak RSS {ours_rss:.0f} MiB")
+    if skip:
+        print(f"torch+peft  skipped: {skip}")
         return
-    out = subprocess.run([args.torch_python, str(bench), model, str(args.seq), str(args.batch), str(args.steps)],
-                         capture_output=True, text=True, env=env)
-    m = re.search(r"([\d.]+) tokens/s.*peak_rss (\d+) MiB", out.stdout)
-    if out.returncode != 0 or not m:
-        print(f"torch+peft  failed:\n{out.stderr[-2000:]}")
-        return
-    tps, rss = float(m.group(1)), float(m.group(2))
-    print(f"torch+peft  {tps:7.1f} tokens/s  peak RSS {rss:.0f} MiB  ({out.stdout.strip()})")
-    print(f"ratio       {ours['tokens_s'] / tps:.2f}x the tokens/s at {ours['rss_mb'] / rss:.2f}x the memory")
+    tps, rss = med(t["tokens_s"] for t in theirs_runs), max(t["rss_mb"] for t in theirs_runs)
+    ratios = [o["tokens_s"] / t["tokens_s"] for o, t in zip(ours_runs, theirs_runs)]
+    print(f"torch+peft  {tps:7.1f} tokens/s (median of {len(theirs_runs)} runs)  peak RSS {rss:.0f} MiB")
+    print(f"ratio       {med(ratios):.2f}x the tokens/s (median of the rounds' ratios: "
+          f"{', '.join(f'{x:.2f}' for x in ratios)}) at {ours_rss / rss:.2f}x the memory")
 
 
 if __name__ == "__main__":

@@ -118,3 +118,26 @@ def test_gemma_has_a_fallback_template(gemma):
     assert c.origin == "fallback:gemma3"
     text = c.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert text == "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_split_groups_keeps_every_continuation_once_within_the_budget():
+    from retrograd.data.batching import Group, split_groups
+
+    rng = np.random.default_rng(0)
+    prompt = np.arange(10, dtype=np.int32)
+    comps = [rng.integers(0, 50, n).astype(np.int32) for n in (6, 9, 3, 12, 4)]
+    trained = [np.arange(len(c)) % 2 == 0 for c in comps]
+    small = Group(np.arange(3, dtype=np.int32), [np.ones(2, np.int32)] * 2)
+    parts = split_groups([Group(prompt, comps, trained), small], budget=25)
+    # 10 + 6 + 9 = 25 fits; 10 + 3 + 12 = 25 fits; 10 + 4; then the small group whole
+    assert [p[1].tolist() for p in parts] == [[0, 1], [2, 3], [4], [5, 6]]
+    for part, idx in parts[:3]:
+        assert part.prompt is prompt and part.n_tokens <= 25
+        for c, t, i in zip(part.completions, part.trained, idx):
+            assert c is comps[i] and t is trained[i]
+    assert parts[3][0].trained is None
+    # a continuation longer than the budget still gets a part of its own
+    assert [p[1].tolist() for p in split_groups([Group(prompt, comps)], budget=12)] == [[0], [1], [2], [3], [4]]
+    # a budget every group fits in leaves the groups whole
+    assert [p[1].tolist() for p in split_groups([Group(prompt, comps)], budget=1000)] == [[0, 1, 2, 3, 4]]
+

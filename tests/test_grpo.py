@@ -82,6 +82,47 @@ def test_grpo_runs_and_logs(tiny, tmp_path, loss):
     assert (tmp_path / "runs/g/loss.png").exists()
 
 
+def test_groups_over_the_budget_are_split_without_changing_the_step(tiny, tmp_path):
+    """A micro-batch budget smaller than a group cuts the group into parts that repeat the prompt
+    (data.batching.split_groups): the first step's loss and gradient norm are those of the run that
+    trains each group whole."""
+    model = tiny("llama", n_layer=2)
+    firsts = []
+    for budget in (512, 16):
+        d = tmp_path / str(budget)
+        d.mkdir()
+        cfg_path = make_run(d, model, steps=1)
+        cfg_path.write_text(cfg_path.read_text().replace("micro_batch_tokens = 128", f"micro_batch_tokens = {budget}"))
+        train(open_model(load(cfg_path)))
+        firsts.append(metrics(d)[0])
+    assert firsts[1]["loss"] == pytest.approx(firsts[0]["loss"], rel=1e-4, abs=1e-6)
+    assert firsts[1]["grad_norm"] == pytest.approx(firsts[0]["grad_norm"], rel=1e-3)
+    assert firsts[1]["reward_mean"] == firsts[0]["reward_mean"]
+
+
+def test_grpo_with_an_f16_generator(tiny, tmp_path, monkeypatch):
+    """[grpo].generator_weights = "f16": llama.cpp's quantizer writes an F16 copy once into the cache,
+    the generator samples from it, the trainer keeps the quantized file, and the two still agree."""
+    monkeypatch.setenv("RETROGRAD_CACHE", str(tmp_path / "cache"))
+    model = tiny("llama", n_layer=2, qtype="Q4_1")     # the trainer multiplies Q4_1 weights in F16 too
+    cfg_path = make_run(tmp_path, model, steps=2)
+    cfg_path.write_text(cfg_path.read_text().replace("[grpo]\n", '[grpo]\ngenerator_weights = "f16"\n'))
+    cfg = load(cfg_path)
+    ctx = open_model(cfg)
+    train(ctx)
+    copies = list((tmp_path / "cache/models/generator").glob("*.f16.gguf"))
+    assert len(copies) == 1 and not list((tmp_path / "cache/models/generator").glob("*.partial"))
+    import gguf
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(copies[0])).tensors if len(t.shape) == 2}
+    assert types == {"F16"}
+    rows = metrics(tmp_path)
+    assert len(rows) == 2 and rows[0]["logp_gap"] < 0.05
+    before = copies[0].stat().st_mtime_ns
+    from retrograd.generation.weights import generator_model
+    assert generator_model(model, "f16", THREADS) == copies[0] and copies[0].stat().st_mtime_ns == before
+    assert generator_model(model, "native", THREADS) == model
+
+
 @pytest.mark.parametrize("iterations, stop", [(1, 2), (2, 3)])
 def test_grpo_resume_matches_uninterrupted(tiny, tmp_path, iterations, stop):
     model = tiny("qwen3", n_layer=2)
@@ -132,3 +173,28 @@ def test_retrograd_profile_reports_every_phase(tiny, tmp_path):
     sft.write_text('[run]\nalgorithm = "sft"\n')
     out = subprocess.run([sys.executable, "-m", "retrograd.commands.profile", str(sft)], capture_output=True, text=True)
     assert out.returncode == 2 and "runs grpo workloads" in out.stderr
+
+
+def test_retrograd_profile_sft_reports_ops_kinds_and_flops(tiny, tmp_path):
+    model = tiny("llama", n_layer=2, n_embd=64, n_ff=96)
+    out = subprocess.run([sys.executable, "-m", "retrograd.commands.profile", "--sft", "--model", str(model),
+                          "--batch", "2", "--seq", "32", "--micro-batch-tokens", "32", "--rank", "4", "--steps", "1",
+                          "--threads", str(THREADS), "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    cells = {(e["phase"], e["kind"]) for e in rep["entries"]}
+    for phase in ("forward", "backward"):
+        for kind in ("q", "k", "v", "o", "gate", "up", "down", "lora", "attention"):
+            assert (phase, kind) in cells, (phase, kind)
+    assert rep["tokens_s"] > 0 and rep["peak_f16_flops"] > 0 and rep["effective_flops"] > 0
+    assert rep["graph_flops"] == pytest.approx(sum(e["flops"] for e in rep["entries"]))
+    text = subprocess.run([sys.executable, "-m", "retrograd.commands.profile", "--sft", "--model", str(model),
+                           "--batch", "1", "--seq", "16", "--steps", "1", "--threads", str(THREADS)],
+                          capture_output=True, text=True)
+    assert text.returncode == 0 and "by kind:" in text.stdout and "LM head" in text.stdout, text.stderr
+    for argv, msg in ((["--sft", str(tmp_path / "x.toml")], "takes no configuration"),
+                      ([], "give a grpo or agent_grpo configuration, or --sft"),
+                      (["--sft", "--model", str(tmp_path / "none.gguf")], "no such file")):
+        bad = subprocess.run([sys.executable, "-m", "retrograd.commands.profile", *argv], capture_output=True, text=True)
+        assert bad.returncode == 2 and msg in bad.stderr, (argv, bad.stderr)
+

@@ -14,7 +14,7 @@ from retrograd.algorithms.base import MicroBatch, StepWork, Tally
 from retrograd.algorithms.rl import RolloutRecipe, reward_stats
 from retrograd.batch import LossInputs, LossOutputs
 from retrograd.context import RunContext
-from retrograd.data.batching import Group, group_batch, pack_groups
+from retrograd.data.batching import Group, group_batch, pack_groups, split_groups
 from retrograd.losses.pg import PGBatch, PGConfig, group_advantages, policy_loss
 
 
@@ -91,13 +91,13 @@ class GRPO(RolloutRecipe):
         self.pg.n_seqs = max(1, len(ro.lengths))
         self.pg.n_tokens = max(1, int(ro.lengths.sum()))
         self.pg.lengths = ro.lengths
-        first_completion = np.cumsum([0] + [len(gr.completions) for gr in ro.groups])
         micro = []
         t_ref = time.monotonic()
-        for mi, members in enumerate(pack_groups(ro.groups, t.micro_batch_tokens)):
-            batch, owner = group_batch([ro.groups[i] for i in members])
+        parts = split_groups(ro.groups, t.micro_batch_tokens)      # a group over the budget: several parts
+        for mi, members in enumerate(pack_groups([p for p, _ in parts], t.micro_batch_tokens)):
+            batch, owner = group_batch([parts[i][0] for i in members])
             # owner counts completions within this micro-batch; map to the rollout's numbering
-            offsets = np.concatenate([np.arange(first_completion[i], first_completion[i + 1]) for i in members])
+            offsets = np.concatenate([parts[i][1] for i in members])
             seq = offsets[owner]
             ref = self.run.trainable.reference_logprobs(batch).logp if g.beta > 0 else None
             sample = np.concatenate([ro.sample_logp[i] for i in offsets])

@@ -16,6 +16,7 @@ from retrograd.data.batching import ExampleStream, train_and_eval
 from retrograd.data.prompts import load_prompts
 from retrograd.eval.rewards import sample_rewards
 from retrograd.generation.llama import Generator, SamplingParams
+from retrograd.generation.weights import generator_model
 from retrograd.run_setup import config_dir, config_label
 
 
@@ -28,9 +29,10 @@ class RolloutRecipe:
         self.rewards = self.build_rewards()
         self.train_prompts, self.eval_prompts = self.load_items()
         self.stream = ExampleStream(self.train_prompts, cfg.run.seed, cfg.data.shuffle)
-        self.gen = Generator(run.trainable.model_path,
+        threads = run.trainable.info.n_threads
+        self.gen = Generator(generator_model(run.trainable.model_path, settings.generator_weights, threads),
                              n_ctx=self.context_size(),
-                             n_seq=n_seq, threads=run.trainable.info.n_threads, device=cfg.model.device)
+                             n_seq=n_seq, threads=threads, device=cfg.model.device)
         self.rollout_index = 0
 
     def context_size(self) -> int:

@@ -180,6 +180,32 @@ def pack_groups(groups: Sequence[Group], budget: int) -> list[list[int]]:
     return first_fit([g.n_tokens for g in groups], budget)
 
 
+def split_groups(groups: Sequence[Group], budget: int) -> list[tuple[Group, np.ndarray]]:
+    """Groups cut to fit `budget` tokens: a longer group becomes several parts, each with the whole
+    prompt and as many of its continuations, in order, as fit (at least one). Continuations only
+    see the prompt and themselves, and the prompt has no targets, so the parts give every target
+    the same log-prob and gradient as the whole group (tests/test_native.py: shared prefix equals
+    separate sequences). What it saves is memory: attention's scores grow with the square of a
+    micro-batch's length, and an agentic group of 8 conversations can run to thousands of tokens.
+    Returns each part with its continuations' indices counted over all `groups` in order."""
+    out: list[tuple[Group, np.ndarray]] = []
+    base = 0
+    for g in groups:
+        cuts: list[list[int]] = [[]]
+        size = len(g.prompt)
+        for i, c in enumerate(g.completions):
+            if cuts[-1] and size + len(c) > budget:
+                cuts.append([])
+                size = len(g.prompt)
+            cuts[-1].append(i)
+            size += len(c)
+        for idx in cuts:
+            trained = None if g.trained is None else [g.trained[i] for i in idx]
+            out.append((Group(g.prompt, [g.completions[i] for i in idx], trained), base + np.asarray(idx)))
+        base += len(g.completions)
+    return out
+
+
 def group_batch(groups: Sequence[Group]) -> tuple[Batch, np.ndarray]:
     """Rows: each prompt once, then its continuations seeing it as their prefix. Targets: every
     trained continuation token (the first predicted from the prompt's last row). Returns the batch

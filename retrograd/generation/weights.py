@@ -1,0 +1,56 @@
+"""The generator's weights in another format than the model file.
+
+Rollouts decode a group of sequences a step. On a 2-core Zen 3, llama.cpp's Q4_1 kernel is
+compute-bound at 8 sequences (113 tokens/s for SmolLM2-135M), while its F16 path reaches
+203 tokens/s and Q8_0 169 (docs/benchmarks.md). `[grpo].generator_weights = "f16"` (or "q8_0")
+has llama.cpp's own quantizer write such a copy of the model once, into the model cache, and the
+generator loads it; the trainer keeps the quantized file. The copy costs memory (F16 is 2
+bytes a weight) and changes what is sampled by the rounding of the new format, which the logged
+`logp_gap` measures (the trainer's forward uses F16 weights too, so an F16 generator is the
+closer of the two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import llama_cpp.llama_cpp as lc
+
+from retrograd.data.tokenizer import quiet_llama_logs
+from retrograd.errors import RetrogradError
+from retrograd.models import cache_dir
+
+# llama.cpp's llama_ftype values
+FORMATS = {"f16": 1, "q8_0": 7}
+
+
+def generator_model(path: Path, weights: str, threads: int) -> Path:
+    """The model file the generator should load: `path` itself for "native", else a converted copy
+    in the cache (written on first use, named by the source's size and modification time, so an
+    edited model gets a fresh copy)."""
+    if weights == "native":
+        return path
+    if weights not in FORMATS:
+        raise RetrogradError(f"generator_weights: {weights!r} is not one of native, {', '.join(FORMATS)}")
+    st = path.stat()
+    out_dir = cache_dir() / "generator"
+    out = out_dir / f"{path.stem}.{st.st_size}-{st.st_mtime_ns}.{weights}.gguf"
+    if out.exists():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".{os.getpid()}.partial")
+    quiet_llama_logs()
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = FORMATS[weights]
+    params.allow_requantize = True
+    params.nthread = threads
+    try:
+        rc = lc.llama_model_quantize(str(path).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0:
+            raise RetrogradError(f"{path}: llama.cpp could not write a {weights} copy for the generator (code {rc})")
+        os.replace(tmp, out)        # a file of this name is always complete
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
