@@ -112,6 +112,7 @@ def print_report(r: dict, top: int = 30) -> None:
 def timed_run(model: str, *, seq: int, batch: int, steps: int, micro_batch_tokens: int, rank: int = 16) -> dict:
     """The benchmark scripts' side of a comparison, run in a process of its own so its peak RSS is
     its own: load, one warm-up step, `steps` timed steps; medians, per-phase seconds, peak RSS."""
+    from retrograd.commands.profile import peak_rss_mib
     from retrograd.engine import LoraSpec, Trainable
 
     t_load = time.perf_counter()
@@ -131,13 +132,6 @@ def timed_run(model: str, *, seq: int, batch: int, steps: int, micro_batch_token
     return {"tokens_s": batch * seq / med, "step_s": med, "steps": times, "phases_s": phases, "load_s": load_s,
             "rss_mb": peak_rss_mib(), "graph_mib": t1.graph_mib}
 
-
-def peak_rss_mib() -> float:
-    import resource
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
 if __name__ == "__main__":      # python -m retrograd.commands.profile_sft MODEL SEQ BATCH STEPS MB: one JSON line
