@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -23,17 +22,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from retrograd.commands.profile_sft import peak_rss_mib
 from retrograd.errors import UsageError, reported
 
 if TYPE_CHECKING:
     from retrograd.context import RunContext
 
 PHASES = ("generation", "tool calls", "reference", "forward", "head", "backward", "optimizer", "adapter swap")
-
-
-def peak_rss_mib() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10      # bytes on macOS, KiB on Linux
 
 
 def profile_grpo(ctx: RunContext, steps: int) -> list[dict]:

@@ -16,7 +16,9 @@ The workload is the SFT benchmark's (`scripts/bench_train.py`): random tokens, `
 
 from __future__ import annotations
 
+import resource
 import statistics
+import sys
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
@@ -27,6 +29,12 @@ from retrograd import native
 
 if TYPE_CHECKING:
     from retrograd.engine import Trainable
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far, in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10      # bytes on macOS, KiB on Linux
 
 
 def sft_step(tr: Trainable, tokens: np.ndarray, micro_batch_tokens: int, step: int) -> None:
@@ -112,7 +120,6 @@ def print_report(r: dict, top: int = 30) -> None:
 def timed_run(model: str, *, seq: int, batch: int, steps: int, micro_batch_tokens: int, rank: int = 16) -> dict:
     """The benchmark scripts' side of a comparison, run in a process of its own so its peak RSS is
     its own: load, one warm-up step, `steps` timed steps; medians, per-phase seconds, peak RSS."""
-    from retrograd.commands.profile import peak_rss_mib
     from retrograd.engine import LoraSpec, Trainable
 
     t_load = time.perf_counter()
