@@ -542,11 +542,14 @@ rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float 
     if (st == RG_OK && !(ctx = opt_ctx(l))) st = RG_ERR_NOMEM;
     if (st == RG_OK) {
         struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, opt_graph_size(l), false);
+        /* hyper-parameters of the A matrices, and of the B matrices (LoRA+ gives them their own lr) */
         struct ggml_tensor * hp = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 7);
+        struct ggml_tensor * hp_b = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 7);
         ggml_set_input(hp);
+        ggml_set_input(hp_b);
         for (int i = 0; i < n; i++) {
             struct ggml_tensor * g = coef == 1.0f ? grads[i] : ggml_scale(ctx, grads[i], coef);
-            ggml_build_forward_expand(gf, ggml_opt_step_adamw(ctx, params[i], g, ms[i], vs[i], hp));
+            ggml_build_forward_expand(gf, ggml_opt_step_adamw(ctx, params[i], g, ms[i], vs[i], i % 2 ? hp_b : hp));
         }
         if (!ggml_gallocr_alloc_graph(e->opt_galloc, gf)) {
             st = rg_fail(RG_ERR_COMPUTE, "optimizer graph allocation failed");
@@ -554,7 +557,10 @@ rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float 
             const float b1h = 1.0f / (1.0f - powf(p->beta1, (float) p->step));
             const float b2h = 1.0f / (1.0f - powf(p->beta2, (float) p->step));
             const float v[7] = { p->lr, p->beta1, p->beta2, p->eps, p->weight_decay, b1h, b2h };
+            const float ratio = p->lr_b_ratio > 0 ? p->lr_b_ratio : 1.0f;
+            const float vb[7] = { p->lr * ratio, p->beta1, p->beta2, p->eps, p->weight_decay, b1h, b2h };
             ggml_backend_tensor_set(hp, v, 0, sizeof(v));
+            ggml_backend_tensor_set(hp_b, vb, 0, sizeof(vb));
             if (ggml_backend_graph_compute(e->model->backend, gf) != GGML_STATUS_SUCCESS) {
                 st = rg_fail(RG_ERR_COMPUTE, "optimizer step failed");
             }

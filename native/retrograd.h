@@ -206,6 +206,7 @@ typedef struct {
     float   grad_scale;   /* multiplies the accumulated gradient before clipping */
     float   grad_clip;    /* max global L2 norm; <= 0 disables */
     int64_t step;         /* 1-based AdamW step for bias correction */
+    float   lr_b_ratio;   /* LoRA+: the B matrices learn at lr * lr_b_ratio; <= 0 means 1 */
 } rg_adamw;
 
 /* Global gradient norm (after grad_scale), clipping, one AdamW update, gradients zeroed.

@@ -41,7 +41,7 @@ def model_identity(trainable) -> dict:
 
 def lora_identity(trainable) -> dict:
     s = trainable.spec
-    return {"rank": s.rank, "alpha": s.alpha, "targets": list(s.targets)}
+    return {"rank": s.rank, "alpha": s.alpha, "targets": list(s.targets), "scaling": s.scaling}
 
 
 def save(directory: Path, step: int, trainable, trainer_state: dict, config: dict) -> Path:
@@ -126,7 +126,8 @@ def load(state_dir: Path, trainable) -> dict:
             raise CheckpointError(f"{state_dir}: checkpoint is for another model ({key} {want.get(key)!r} in the "
                                   f"checkpoint, {have.get(key)!r} for {have['path']})")
     want_l, have_l = meta.get("lora", {}), lora_identity(trainable)
-    for key in ("rank", "alpha", "targets"):
+    want_l.setdefault("scaling", "standard")        # checkpoints from before [lora].scaling
+    for key in ("rank", "alpha", "targets", "scaling"):
         if want_l.get(key) != have_l.get(key):
             raise CheckpointError(f"{state_dir}: incompatible [lora].{key}: checkpoint has {want_l.get(key)!r}, "
                                   f"the configuration {have_l.get(key)!r}")

@@ -62,11 +62,12 @@ class Config:
     agent: AgentSection = field(default_factory=AgentSection)
     serving: ServingSection = field(default_factory=ServingSection)
     source: Path | None = None      # the TOML file, when there is one
+    base_dir: Path | None = None    # where relative paths resolve, when not the file's directory
 
     def to_dict(self) -> dict:
         out = {}
         for f in dataclasses.fields(self):
-            if f.name == "source":
+            if f.name in ("source", "base_dir"):
                 continue
             out[f.name] = _section_dict(getattr(self, f.name))
         return out
@@ -165,11 +166,13 @@ def _fill(sec: Any, body: dict, label: str, name: str, base: Path) -> None:
         setattr(sec, key, _coerce(value, hints[key], where, dict(known[key].metadata), base))
 
 
-def from_dict(raw: dict, source: Path | None = None) -> Config:
+def from_dict(raw: dict, source: Path | None = None, base: Path | None = None) -> Config:
+    """A configuration from parsed TOML; relative paths resolve against `base`, by default the
+    source file's directory (retrograd-server passes the submitter's directory for a TOML body)."""
     label = str(source) if source else "<config>"
-    base = source.parent if source else Path.cwd()
-    cfg = Config(source=source)
-    sections = {f.name: f for f in dataclasses.fields(Config) if f.name != "source"}
+    base = Path(base) if base else (source.parent if source else Path.cwd())
+    cfg = Config(source=source, base_dir=base)
+    sections = {f.name: f for f in dataclasses.fields(Config) if f.name not in ("source", "base_dir")}
     for name, body in raw.items():
         if name not in sections:
             raise ConfigError(f"{label}: unknown section [{name}]; expected one of "
@@ -248,6 +251,6 @@ def describe() -> str:
             section(sub_name, sub)
 
     for f in dataclasses.fields(Config):
-        if f.name != "source":
+        if f.name not in ("source", "base_dir"):
             section(f.name, f.default_factory())
     return "\n".join(lines)

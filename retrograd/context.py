@@ -40,8 +40,8 @@ class RunContext:
 def open_model(cfg: Config, *, need_data: bool = True) -> RunContext:
     """Model, adapter, tokenizer, chat format and (for sft and distill) the examples of a configuration."""
     model_path = resolve_model(cfg)
-    trainable = Trainable(model_path, LoraSpec(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.targets)),
-                          device=cfg.model.device, threads=resolve_threads(cfg), seed=cfg.run.seed)
+    spec = LoraSpec(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.targets), cfg.lora.scaling)
+    trainable = Trainable(model_path, spec, device=cfg.model.device, threads=resolve_threads(cfg), seed=cfg.run.seed)
     if cfg.lora.init_adapter:
         trainable.load_adapter(Path(cfg.lora.init_adapter), reference=True)
     tok = tok_mod.load(str(model_path))

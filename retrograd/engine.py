@@ -20,6 +20,13 @@ class LoraSpec:
     rank: int = 16
     alpha: float = 32.0
     targets: tuple[str, ...] = native.TARGETS
+    scaling: str = "standard"       # "rslora": the update is scaled by alpha / sqrt(rank)
+
+    @property
+    def effective_alpha(self) -> float:
+        """The alpha llama.cpp's adapter format carries: it scales by alpha / rank, so rsLoRA's
+        alpha / sqrt(rank) is written as alpha * sqrt(rank)."""
+        return self.alpha * float(np.sqrt(self.rank)) if self.scaling == "rslora" else self.alpha
 
 
 class Trainable(native.Closeable):
@@ -32,7 +39,7 @@ class Trainable(native.Closeable):
         self.model = native.Model(self.model_path, device=device, threads=threads)
         self.engine = native.Engine(self.model)
         self.spec = spec
-        self.lora = native.Lora(self.model, spec.targets, spec.rank, spec.alpha)
+        self.lora = native.Lora(self.model, spec.targets, spec.rank, spec.effective_alpha)
         # the reference policy's adapter (KL in RL, preference losses): None is the base model; a run
         # that starts from [lora].init_adapter measures against that adapter, not the bare base
         self.reference: native.Lora | None = None
@@ -57,7 +64,7 @@ class Trainable(native.Closeable):
 
     # ---- adapters as files -------------------------------------------------------------------
     def adapter_bytes(self) -> bytes:
-        return adapter_io.to_bytes(self.info.arch, self.spec.alpha, self.lora.state())
+        return adapter_io.to_bytes(self.info.arch, self.spec.effective_alpha, self.lora.state())
 
     def save_adapter(self, path: Path) -> None:
         adapter_io.write(path, self.adapter_bytes())
@@ -71,8 +78,10 @@ class Trainable(native.Closeable):
                                           f"the model is {self.info.arch!r}")
         if f.rank != self.spec.rank:
             raise adapter_io.AdapterError(f"{path}: adapter rank {f.rank} differs from [lora].rank = {self.spec.rank}")
-        if abs(f.alpha - self.spec.alpha) > 1e-6 and f.alpha != 0:
-            raise adapter_io.AdapterError(f"{path}: adapter alpha {f.alpha} differs from [lora].alpha = {self.spec.alpha}")
+        want = self.spec.effective_alpha
+        if abs(f.alpha - want) > 1e-4 * max(1.0, want) and f.alpha != 0:
+            how = f" ({self.spec.alpha} with rsLoRA scaling)" if self.spec.scaling == "rslora" else ""
+            raise adapter_io.AdapterError(f"{path}: adapter alpha {f.alpha} differs from [lora].alpha = {want}{how}")
         missing = [t.name for t in self.lora.tensors if t.name not in f.tensors]
         extra = sorted(set(f.tensors) - set(self.lora.index))
         if missing or extra:
@@ -83,7 +92,7 @@ class Trainable(native.Closeable):
             if f.tensors[t.name].shape != t.shape:
                 raise adapter_io.AdapterError(f"{path}: {t.name} has shape {f.tensors[t.name].shape}, expected {t.shape}")
         if reference and self.reference is None:
-            self.reference = native.Lora(self.model, self.spec.targets, self.spec.rank, self.spec.alpha)
+            self.reference = native.Lora(self.model, self.spec.targets, self.spec.rank, self.spec.effective_alpha)
         for dst in (self.lora, self.reference) if reference else (self.lora,):
             for t in dst.tensors:
                 dst.write(t.index, f.tensors[t.name])

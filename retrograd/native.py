@@ -433,10 +433,11 @@ class Engine(_Handle):
 
     def adamw(self, lora: Lora, *, lr: float, step: int, beta1: float = 0.9, beta2: float = 0.999,
               eps: float = 1e-8, weight_decay: float = 0.0, grad_scale: float = 1.0,
-              grad_clip: float = 0.0) -> float:
-        """One AdamW update from the accumulated gradient; returns the pre-clip gradient norm."""
+              grad_clip: float = 0.0, lr_b_ratio: float = 1.0) -> float:
+        """One AdamW update from the accumulated gradient; returns the pre-clip gradient norm.
+        `lr_b_ratio` (LoRA+): the B matrices learn at lr * lr_b_ratio."""
         p = ffi.new("rg_adamw *")
-        p.lr, p.beta1, p.beta2, p.eps = lr, beta1, beta2, eps
+        p.lr, p.beta1, p.beta2, p.eps, p.lr_b_ratio = lr, beta1, beta2, eps, lr_b_ratio
         p.weight_decay, p.grad_scale, p.grad_clip, p.step = weight_decay, grad_scale, grad_clip, step
         norm = ffi.new("float *")
         _check(lib.rg_engine_adamw(self._ptr, lora._ptr, p, norm))

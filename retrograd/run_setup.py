@@ -16,6 +16,8 @@ from retrograd.models import default_model_path
 
 def config_dir(cfg: Config) -> Path:
     """Where paths written in the configuration resolve (its file's directory, else the cwd)."""
+    if cfg.base_dir:
+        return cfg.base_dir
     return cfg.source.parent if cfg.source else Path.cwd()
 
 

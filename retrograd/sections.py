@@ -34,7 +34,10 @@ class ModelSection:
 @dataclass
 class LoraSection:
     rank: int = opt(16, "LoRA rank", min=1, max=4096)
-    alpha: float = opt(32.0, "LoRA alpha; the update is scaled by alpha / rank", min=0.0)
+    alpha: float = opt(32.0, "LoRA alpha; the update is scaled by alpha / rank (rslora: alpha / sqrt(rank))",
+                       min=0.0)
+    scaling: str = opt("standard", "standard (alpha / rank) or rslora (alpha / sqrt(rank)); the exported adapter "
+                                   "carries the effective alpha", choices=("standard", "rslora"))
     dropout: float = opt(0.0, "LoRA dropout (only 0.0 is supported in this version)", min=0.0, max=0.0)
     targets: list = opt(list(TARGETS), "projections that get an adapter: q k v o gate up down")
     init_adapter: Path | None = opt(None, "start from this llama.cpp LoRA GGUF", path=True)
@@ -75,6 +78,8 @@ class TrainingSection:
     beta2: float = opt(0.999, "AdamW beta2", min=0.0, max=0.999999)
     eps: float = opt(1e-8, "AdamW epsilon", min=0.0)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: off)", min=0.0)
+    lora_plus_ratio: float = opt(1.0, "LoRA+: the B matrices learn at learning_rate x this (1: plain LoRA; "
+                                      "the LoRA+ paper suggests 16)", min=0.0)
     threads: int = opt(0, "CPU threads (0: all cores; RETRO_THREADS overrides)", min=0)
     require_gpu_resident: bool = opt(False, "fail if any op of the training graph would run on the CPU")
     log_every: int = opt(1, "print a progress line every N steps when stderr is not a terminal "

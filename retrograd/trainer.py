@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,18 @@ MAX_NONFINITE = 5
 
 class TrainError(RetrogradError):
     pass
+
+
+class RunStopped(Exception):
+    """The step callback asked the run to stop; a checkpoint of `step` was written first."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"stopped at step {step}")
+        self.step = step
+
+
+#: called after every optimizer step with the trainer and the step's record; True asks to stop
+StepCallback = Callable[["Trainer", dict], bool]
 
 
 def learning_rate(cfg: Config, step: int, total: int) -> float:
@@ -60,6 +73,8 @@ class Trainer:
         self.global_step = 0
         self.best: float | None = None
         self.nonfinite = 0
+        self.on_step: StepCallback | None = None
+        self.total = 0
 
     # ---- state -------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -91,7 +106,8 @@ class Trainer:
                 tr.accumulate(mb.batch, lambda inp, mb=mb: mb.loss(inp, tally),
                               entropy=mb.want_entropy, hidden=mb.want_hidden)
             gnorm = tr.optimizer_step(lr=lr, step=self.global_step + 1, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
-                                      weight_decay=t.weight_decay, grad_clip=t.grad_clip)
+                                      weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                                      lr_b_ratio=t.lora_plus_ratio)
         except native.NativeError as exc:
             if exc.status != native.STATUS_NONFINITE:
                 raise
@@ -104,6 +120,7 @@ class Trainer:
     # ---- loop --------------------------------------------------------------------------------
     def run(self, total: int, progress: Progress) -> dict:
         cfg = self.cfg
+        self.total = total
         last: dict = {}
         while self.global_step < total:
             t0 = time.monotonic()
@@ -127,8 +144,13 @@ class Trainer:
             shown = {k: rec[k] for k in ("loss", "reward_mean", "eval_loss", "eval_reward") if k in rec}
             shown["lr"] = lr
             progress.update(self.global_step, work.n_tokens, shown)
-            if _due(cfg.checkpoint.every_steps, self.global_step, total):
+            saved = _due(cfg.checkpoint.every_steps, self.global_step, total)
+            if saved:
                 self.checkpoint_with_best(rec)
+            if self.on_step is not None and self.on_step(self, rec):
+                if not saved:           # resume continues exactly where the run stopped
+                    self.checkpoint_with_best(rec)
+                raise RunStopped(self.global_step)
         return last
 
     def evaluate(self, progress: Progress) -> dict:
@@ -156,12 +178,14 @@ class Trainer:
         return path
 
 
-def train(ctx: RunContext, resume: Path | bool | None = None) -> dict:
-    """Run the configured algorithm to completion; returns a summary."""
+def train(ctx: RunContext, resume: Path | bool | None = None, on_step: StepCallback | None = None) -> dict:
+    """Run the configured algorithm to completion; returns a summary. `on_step` sees every step
+    (retrograd-server: live weights, stop requests) and may stop the run (RunStopped)."""
     cfg = ctx.cfg
     ctx.out.mkdir(parents=True, exist_ok=True)
     atomic_write(ctx.out / "config.json", json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
     trainer = Trainer(ctx)
+    trainer.on_step = on_step
     try:
         return _train(ctx, trainer, resume)
     finally:

@@ -6,6 +6,7 @@
 #   3. vendor/llama.cpp headers from that version's source distribution
 #   4. retrograd itself (editable), which compiles native/ against those headers
 #   5. the embedded default model (and, with --test, Gemma 3 270M for the tests)
+#   6. with --test: Debian's chromium for the web page's browser test (apt-get, when root)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want_test=0
@@ -36,5 +37,16 @@ if [ "$want_test" = 1 ]; then
   .venv/bin/retrograd models fetch --gemma 2>&1 | sed '/is ignored/d'
 else
   .venv/bin/retrograd models fetch 2>&1 | sed '/is ignored/d'
+fi
+if [ "$want_test" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "installing Debian's chromium for the browser tests..."
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium >/dev/null; }; } ||
+      echo "warning: chromium did not install; the browser tests will fail (RETRO_NO_BROWSER=1 skips them)" >&2
+  else
+    echo "note: the browser tests need Chromium on PATH (apt-get install chromium), or RETRO_NO_BROWSER=1" >&2
+  fi
 fi
 echo "retrograd is set up: .venv/bin/retrograd --help"

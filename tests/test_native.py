@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import THREADS
-from gradcheck import richardson
+from gradcheck import randomize_adapter, richardson
 from llama_ref import llama, next_token_logprobs
 from reference import RefModel
 
@@ -388,3 +388,56 @@ def test_shared_prefix_equals_separate_sequences(tiny):
     for name in g_sep:
         scale = np.abs(g_sep[name]).max()
         assert np.abs(g_shared[name] - g_sep[name]).max() < 1e-4 * scale, name
+
+
+def test_rslora_scales_by_sqrt_rank_and_exports_the_effective_alpha(tiny, tmp_path):
+    """rsLoRA is LoRA scaled by alpha / sqrt(rank): the same graph as standard LoRA with alpha * sqrt(rank),
+    which is the alpha the exported adapter carries (so llama.cpp, scaling by alpha / rank, agrees)."""
+    path = tiny("llama", n_layer=2, n_embd=32, n_head=4, n_head_kv=2, n_ff=48, n_vocab=270)
+    rs = Trainable(path, LoraSpec(4, 8.0, scaling="rslora"), threads=THREADS)
+    std = Trainable(path, LoraSpec(4, 16.0), threads=THREADS)
+    rs.engine.set_exact_ops(True)
+    std.engine.set_exact_ops(True)
+    rng = np.random.default_rng(5)
+    for t in rs.lora.tensors:
+        w = rng.standard_normal(t.shape).astype(np.float32) * 0.2     # twice the scale of the other FD tests
+        rs.lora.write(t.index, w)
+        std.lora.write(t.index, w)
+    toks = rng.integers(0, 256, 20).astype(np.int32)
+    batch = native.Batch.next_token(toks)
+    assert np.array_equal(rs.logprobs(batch).logp, std.logprobs(batch).logp)
+    assert not np.allclose(rs.logprobs(batch).logp, Trainable(path, LoraSpec(4, 8.0), threads=THREADS).logprobs(batch).logp)
+    coeff = rng.standard_normal(batch.n_targets).astype(np.float32)
+    assert fd_check(rs, batch, coeff, rs.lora.tensors) < 1e-2
+    rs.save_adapter(tmp_path / "rs.gguf")
+    import gguf
+    assert gguf.GGUFReader(str(tmp_path / "rs.gguf")).fields["adapter.lora.alpha"].contents() == 16.0
+    back = Trainable(path, LoraSpec(4, 8.0, scaling="rslora"), threads=THREADS)
+    back.load_adapter(tmp_path / "rs.gguf")
+    assert np.array_equal(back.logprobs(batch).logp, rs.logprobs(batch).logp)
+    with pytest.raises(Exception, match="rsLoRA"):
+        Trainable(path, LoraSpec(4, 16.0, scaling="rslora"), threads=THREADS).load_adapter(tmp_path / "rs.gguf")
+
+
+def test_lora_plus_gives_b_its_own_learning_rate(tiny):
+    """LoRA+ against AdamW written out in numpy over two steps: A learns at lr, B at lr * ratio."""
+    tr = Trainable(tiny("llama"), LoraSpec(4, 8.0), threads=THREADS)
+    randomize_adapter(tr, 3, scale=0.2)             # non-zero A and B: both get gradients
+    rng = np.random.default_rng(1)
+    lr, ratio, b1, b2, eps, wd = 1e-2, 4.0, 0.9, 0.999, 1e-8, 0.01
+    p = {k: v.astype(np.float64) for k, v in tr.lora.state().items()}
+    m = {k: np.zeros_like(v) for k, v in p.items()}
+    v = {k: np.zeros_like(x) for k, x in p.items()}
+    for step in (1, 2):
+        batch = native.Batch.next_token(rng.integers(0, 256, 16).astype(np.int32))
+        tr.accumulate(batch, lambda inp: native.LossOutputs(-np.ones(len(inp.logp), np.float32)))
+        g = {t.name: tr.lora.read(t.index, native.SLOT_GRAD).astype(np.float64) for t in tr.lora.tensors}
+        tr.optimizer_step(lr=lr, step=step, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, lr_b_ratio=ratio)
+        for k in p:
+            rate = lr * ratio if k.endswith("lora_b") else lr
+            m[k] = b1 * m[k] + (1 - b1) * g[k]
+            v[k] = b2 * v[k] + (1 - b2) * g[k] ** 2
+            mh, vh = m[k] / (1 - b1 ** step), v[k] / (1 - b2 ** step)
+            p[k] = p[k] * (1 - rate * wd) - rate * mh / (np.sqrt(vh) + eps)
+        for k, x in tr.lora.state().items():
+            np.testing.assert_allclose(x, p[k], rtol=1e-4, atol=1e-6, err_msg=f"{k} at step {step}")

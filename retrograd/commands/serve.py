@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import sys
 
 from retrograd.commands import choose_adapter, load_config
@@ -11,16 +10,7 @@ from retrograd.data.chat import format_for
 from retrograd.errors import UsageError
 from retrograd.generation.llama import Generator
 from retrograd.run_setup import resolve_model, resolve_threads
-from retrograd.serve.app import BASE_ID, ModelHost, ServedModel, create_app
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from retrograd.serve.app import BASE_ID, ModelHost, ServedModel, create_app, is_loopback
 
 
 def run(args: argparse.Namespace) -> int:

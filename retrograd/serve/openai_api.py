@@ -20,6 +20,14 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def error_body(exc: Exception) -> dict:
+    """An exception as {"status", "body"} to send across a process boundary."""
+    if isinstance(exc, ApiError):
+        return {"status": exc.status, "body": exc.body()}
+    return {"status": 500, "body": ApiError(500, f"{type(exc).__name__}: {exc}", code="internal_error",
+                                            kind="server_error").body()}
+
+
 @dataclass
 class ChatRequest:
     model: str
@@ -55,6 +63,10 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
 def parse_chat_request(body: Any) -> ChatRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:      # JSON's \ud800 escapes can carry what no tokenizer can encode
+        raise ApiError(400, "the request contains text that is not valid Unicode (a lone surrogate)") from None
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model", "a model id is required")
