@@ -199,7 +199,7 @@ def test_queue_full_and_device_held(server, smollm, tmp_path):
     run_id = SHARED["run"]
     # queue = 1 on a second run: several requests at once, the ones beyond the queue get 429
     status, rec = server.call("POST", "/api/runs", {"config": str(write_config(tmp_path, smollm, steps=3,
-                                                                                serving="queue = 1"))})
+                                                                                serving="queue = 1\nidle_seconds = 2"))})
     assert status == 201
     other = rec["id"]
     server.wait(other)
@@ -210,6 +210,12 @@ def test_queue_full_and_device_held(server, smollm, tmp_path):
     assert codes.count(200) >= 1 and 429 in codes, codes
     busy = next(b for c, b in results if c == 429)
     assert "[serving].queue is 1" in busy["error"]["message"]
+    # the server's generator for saved weights is let go after the run's idle_seconds
+    assert server.call("GET", "/health")[1]["loaded_models"] >= 1
+    deadline = time.time() + 30
+    while server.call("GET", "/health")[1]["loaded_models"] and time.time() < deadline:
+        time.sleep(0.5)
+    assert server.call("GET", "/health")[1]["loaded_models"] == 0
     big = {"model": f"{other}@final", "messages": [{"role": "user", "content": "x" * (5 << 20)}]}
     status, body = server.call("POST", "/v1/chat/completions", big)
     assert status == 413 and "[serving].max_body_bytes" in body["error"]["message"]
@@ -223,10 +229,16 @@ def test_queue_full_and_device_held(server, smollm, tmp_path):
     assert status == 503 and body["error"]["code"] == "device_busy" and busy_id in body["error"]["message"]
     status, body = server.call("POST", "/v1/chat/completions", {"model": busy_id, "messages": PROMPT})
     assert status == 409 and "[serving].enabled" in body["error"]["message"]
+    assert server.call("GET", "/health")[1]["device_held_by"] == busy_id
+    # a run submitted meanwhile waits for the device, and gets it when the first one stops
+    status, rec = server.call("POST", "/api/runs", {"config": str(write_config(tmp_path, smollm, steps=2))})
+    waiting = rec["id"]
+    assert status == 201 and rec["state"] == "queued"
     # stop: a checkpoint at the step it stopped at, then resume to the end
     status, rec = server.call("POST", f"/api/runs/{busy_id}/stop")
     assert status == 200 and rec["state"] in ("stopping", "stopped")
     rec = server.wait(busy_id, ("stopped",))
+    server.wait(waiting)
     ckpts = server.run(busy_id)["checkpoints"]
     assert ckpts and ckpts[-1] == rec["step"] < 40
     status, body = server.call("POST", f"/api/runs/{busy_id}/stop")

@@ -168,7 +168,8 @@ class RunServer:
 
     # ---- routes ------------------------------------------------------------------------------
     async def health(self, _request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "runs": len(self.sup.runs)})
+        return web.json_response({"status": "ok", "runs": len(self.sup.runs), "loaded_models": len(self.pool.loaded),
+                                  "device_held_by": getattr(self.sup.holder(), "id", None)})
 
     async def page(self, _request: web.Request) -> web.Response:
         return web.Response(content_type="text/html", text=_asset("index.html"))
