@@ -165,16 +165,29 @@ static rg_status check_batch(const rg_model * m, const rg_batch * b) {
 typedef struct {
     rg_batch  b;
     int32_t * owned;
+    float   * owned_noise;  /* the embedding noise with zero rows for the padding */
 } rg_padded;
 
-static rg_status pad_batch(const rg_batch * in, rg_padded * out) {
+static rg_status pad_batch(const rg_batch * in, int n_embd, rg_padded * out) {
     out->b = *in;
     out->owned = NULL;
+    out->owned_noise = NULL;
     const int T = in->n_tokens;
     const int Tp = (T + RG_PAD_TOKENS - 1) / RG_PAD_TOKENS * RG_PAD_TOKENS;
     if (Tp == T) return RG_OK;
+    if (in->embed_noise) {
+        const size_t row = (size_t) n_embd;
+        out->owned_noise = rg_malloc(sizeof(float) * row * (size_t) Tp, "the padded embedding noise");
+        if (!out->owned_noise) return RG_ERR_NOMEM;
+        memcpy(out->owned_noise, in->embed_noise, sizeof(float) * row * (size_t) T);
+        memset(out->owned_noise + row * (size_t) T, 0, sizeof(float) * row * (size_t) (Tp - T));
+        out->b.embed_noise = out->owned_noise;
+    }
     out->owned = rg_malloc(sizeof(int32_t) * 4 * (size_t) Tp, "the padded batch");
-    if (!out->owned) return RG_ERR_NOMEM;
+    if (!out->owned) {
+        free(out->owned_noise);
+        return RG_ERR_NOMEM;
+    }
     int32_t * tok = out->owned, * pos = tok + Tp, * seq = pos + Tp, * pre = seq + Tp;
     int32_t min_seq = 0;
     for (int i = 0; i < T; i++) {
@@ -215,7 +228,7 @@ static struct ggml_tensor * grad_of_param(const rg_lora * l, const struct ggml_t
     return NULL;
 }
 
-static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, bool train, rg_built * o) {
+static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, bool train, bool noise, rg_built * o) {
     const double t0 = rg_now_ms();
     memset(o, 0, sizeof(*o));
     struct ggml_init_params ip = { e->ctx_mem_size, e->ctx_mem, true };
@@ -228,6 +241,7 @@ static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, bool tra
     o->b.train = train;
     o->b.exact_ops = e->exact_ops;
     o->b.matmul_mode = e->matmul_mode;
+    o->b.embed_noise = noise;
     if (!rg_build_trunk(&o->b)) {
         ggml_free(o->ctx);
         return rg_fail(RG_ERR_COMPUTE, "%s", o->b.error);
@@ -291,6 +305,7 @@ static rg_status alloc_and_set_inputs(rg_engine * e, rg_built * o, const rg_batc
     float * mask_swa = o->b.inp_mask_swa ? mask + TT : NULL;
     ggml_backend_tensor_set(o->b.inp_tokens, batch->tokens, 0, sizeof(int32_t) * (size_t) T);
     ggml_backend_tensor_set(o->b.inp_pos, batch->positions, 0, sizeof(int32_t) * (size_t) T);
+    if (o->b.inp_embd_noise) ggml_backend_tensor_set(o->b.inp_embd_noise, batch->embed_noise, 0, ggml_nbytes(o->b.inp_embd_noise));
     rg_fill_masks(&e->model->hp, batch, mask, mask_swa);
     /* a mask no layer uses (all layers local, or all global) is not allocated */
     if (o->b.inp_mask->buffer) ggml_backend_tensor_set(o->b.inp_mask, mask, 0, ggml_nbytes(o->b.inp_mask));
@@ -329,6 +344,7 @@ static void release(rg_engine * e, rg_prepared * p) {
     ggml_backend_sched_reset(e->sched);
     ggml_free(p->o.ctx);
     free(p->pb.owned);
+    free(p->pb.owned_noise);
 }
 
 /* On failure nothing is left to release. */
@@ -336,9 +352,10 @@ static rg_status prepare(rg_engine * e, rg_lora * lora, const rg_batch * batch, 
     rg_status st = check_batch(e->model, batch);
     if (st) return st;
     p->n_real = batch->n_tokens;
-    if ((st = pad_batch(batch, &p->pb))) return st;
-    if ((st = build(e, lora, p->pb.b.n_tokens, train, &p->o))) {
+    if ((st = pad_batch(batch, e->model->hp.n_embd, &p->pb))) return st;
+    if ((st = build(e, lora, p->pb.b.n_tokens, train, batch->embed_noise != NULL, &p->o))) {
         free(p->pb.owned);
+        free(p->pb.owned_noise);
         return st;
     }
     if ((st = alloc_and_set_inputs(e, &p->o, &p->pb.b))) release(e, p);
@@ -587,7 +604,7 @@ rg_status rg_engine_preflight(rg_engine * e, rg_lora * lora, int32_t n_tokens, i
     e->pre_n = 0;
     if (n_tokens <= 0) return rg_fail(RG_ERR_ARG, "preflight needs a positive token count");
     rg_built o;
-    rg_status st = build(e, lora, n_tokens, lora != NULL, &o);
+    rg_status st = build(e, lora, n_tokens, lora != NULL, false, &o);
     if (st) return st;
     int counts[RG_OP_KEYS] = {0};
     const char * names[RG_OP_KEYS] = {0};

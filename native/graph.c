@@ -176,6 +176,12 @@ bool rg_build_trunk(rg_graph_build * b) {
     }
 
     struct ggml_tensor * x = ggml_get_rows(ctx, m->tok_embd, b->inp_tokens);
+    b->inp_embd_noise = NULL;
+    if (b->embed_noise) {       /* NEFTune: noise on the looked-up embeddings, before the model's own scale */
+        b->inp_embd_noise = named(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, hp->n_embd, T), "inp_embd_noise", -1);
+        ggml_set_input(b->inp_embd_noise);
+        x = ggml_add(ctx, x, b->inp_embd_noise);
+    }
     if (hp->embd_scale != 1.0f) x = ggml_scale(ctx, x, hp->embd_scale);
     named(x, "inp_embd", -1);
 

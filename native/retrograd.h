@@ -144,6 +144,8 @@ typedef struct {
     int32_t         n_targets;
     const int32_t * target_rows;
     const int32_t * target_ids;
+    const float   * embed_noise;  /* may be NULL: [n_tokens][n_embd], added to the token embeddings
+                                   * before any embedding scale (NEFTune) */
 } rg_batch;
 
 /* ---- engine ------------------------------------------------------------------------------- */

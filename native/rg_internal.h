@@ -99,6 +99,8 @@ typedef struct {
     struct ggml_tensor * inp_pos;     /* I32 [T] */
     struct ggml_tensor * inp_mask;    /* F32 [T, T] causal + packing */
     struct ggml_tensor * inp_mask_swa;/* F32 [T, T] additionally windowed, NULL when unused */
+    struct ggml_tensor * inp_embd_noise; /* F32 [n_embd, T] added to the embeddings, NULL when unused */
+    bool                 embed_noise; /* build with inp_embd_noise */
     struct ggml_tensor * hidden;      /* F32 [n_embd, T] after the final norm */
     bool                 train;       /* build for autodiff (composite ops with a backward) */
     bool                 exact_ops;   /* ggml's own ops only: no fused substitutes, no outer.c kernels */

@@ -27,6 +27,7 @@ class Batch:
     target_rows: np.ndarray
     target_ids: np.ndarray
     prefix_ids: np.ndarray | None = None   # per row: another sequence whose rows it also sees
+    embed_noise: np.ndarray | None = None  # [n_tokens, n_embd] added to the token embeddings (NEFTune)
 
     def __post_init__(self) -> None:
         for f in ("tokens", "positions", "seq_ids", "target_rows", "target_ids"):
@@ -36,6 +37,10 @@ class Batch:
             self.prefix_ids = np.ascontiguousarray(self.prefix_ids, dtype=np.int32)
             if len(self.prefix_ids) != n:
                 raise ValueError("prefix_ids must have one entry per token")
+        if self.embed_noise is not None:
+            self.embed_noise = np.ascontiguousarray(self.embed_noise, dtype=np.float32)
+            if self.embed_noise.ndim != 2 or len(self.embed_noise) != n:
+                raise ValueError("embed_noise must have one row per token")
         if len(self.positions) != n or len(self.seq_ids) != n:
             raise ValueError("tokens, positions and seq_ids must have the same length")
         if len(self.target_rows) != len(self.target_ids):

@@ -188,6 +188,9 @@ def _cross_check(cfg: Config, label: str) -> None:
     bad = [t for t in cfg.lora.targets if t not in TARGETS]
     if bad or not cfg.lora.targets:
         raise ConfigError(f"{label}: [lora].targets: expected some of {', '.join(TARGETS)}, got {cfg.lora.targets!r}")
+    if cfg.training.neftune_alpha > 0 and cfg.run.algorithm != "sft":
+        raise ConfigError(f"{label}: [training].neftune_alpha applies to sft only (noise on the inputs of "
+                          f"supervised examples), not to {cfg.run.algorithm}")
     if not is_built(cfg.run.algorithm):
         built = [a for a in ALGORITHMS if is_built(a)]
         raise ConfigError(f"{label}: [run].algorithm = {cfg.run.algorithm!r}: {NOT_BUILT[cfg.run.algorithm]} is not "

@@ -280,7 +280,7 @@ class Lora(_Handle):
 
 
 # ---- batches ------------------------------------------------------------------------------
-def _c_batch(b: Batch):
+def _c_batch(b: Batch, n_embd: int):
     c = ffi.new("rg_batch *")
     c.n_tokens = b.n_tokens
     c.tokens = _ptr(b.tokens, "int32_t *")
@@ -290,6 +290,10 @@ def _c_batch(b: Batch):
     c.n_targets = b.n_targets
     c.target_rows = _ptr(b.target_rows, "int32_t *")
     c.target_ids = _ptr(b.target_ids, "int32_t *")
+    if b.embed_noise is not None:
+        if b.embed_noise.shape != (b.n_tokens, n_embd):
+            raise ValueError(f"embed_noise has shape {b.embed_noise.shape}, expected ({b.n_tokens}, {n_embd})")
+        c.embed_noise = _ptr(b.embed_noise, "float *")
     return c
 
 
@@ -381,6 +385,9 @@ class Engine(_Handle):
         _check(lib.rg_engine_init(model._ptr, out))
         self._own(out[0], lib.rg_engine_free, model)
 
+    def _batch(self, batch: Batch):
+        return _c_batch(batch, self.model.info.n_embd)
+
     def set_matmul_mode(self, mode: str) -> None:
         """'auto' (default), 'native' (llama.cpp's kernels, bit-equal), 'f16', or 'f32' (smooth, slow)."""
         if mode not in _MATMUL_MODES:
@@ -398,7 +405,7 @@ class Engine(_Handle):
         ent = np.zeros(k, np.float32) if entropy else None
         hid = np.zeros((batch.n_tokens, self.model.info.n_embd), np.float32) if hidden else None
         _check(lib.rg_engine_forward(
-            self._ptr, lora._ptr if lora is not None else ffi.NULL, _c_batch(batch),
+            self._ptr, lora._ptr if lora is not None else ffi.NULL, self._batch(batch),
             _ptr(logp, "float *") if k else ffi.new("float[1]"),
             _ptr(ent, "float *") if ent is not None and k else ffi.NULL,
             _ptr(hid, "float *") if hid is not None else ffi.NULL))
@@ -413,7 +420,7 @@ class Engine(_Handle):
         ids = np.zeros((max(n, 1), k), np.int32)
         lp = np.zeros((max(n, 1), k), np.float32)
         tlp = np.zeros(max(n, 1), np.float32) if targets else None
-        _check(lib.rg_engine_topk(self._ptr, lora._ptr if lora is not None else ffi.NULL, _c_batch(batch), k,
+        _check(lib.rg_engine_topk(self._ptr, lora._ptr if lora is not None else ffi.NULL, self._batch(batch), k,
                                   _ptr(ids, "int32_t *"), _ptr(lp, "float *"),
                                   _ptr(tlp, "float *") if targets else ffi.NULL))
         return ids[:n], lp[:n], (tlp[:n] if targets else None)
@@ -424,7 +431,7 @@ class Engine(_Handle):
         state = _CallbackState(fn)
         handle = ffi.new_handle(state)
         logp = np.zeros(max(batch.n_targets, 1), np.float32)
-        status = lib.rg_engine_accumulate(self._ptr, lora._ptr, _c_batch(batch), lib.rg_py_coeff, handle,
+        status = lib.rg_engine_accumulate(self._ptr, lora._ptr, self._batch(batch), lib.rg_py_coeff, handle,
                                           int(entropy), int(hidden), _ptr(logp, "float *"))
         if state.error is not None:
             raise state.error

@@ -78,6 +78,9 @@ class TrainingSection:
     beta2: float = opt(0.999, "AdamW beta2", min=0.0, max=0.999999)
     eps: float = opt(1e-8, "AdamW epsilon", min=0.0)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: off)", min=0.0)
+    neftune_alpha: float = opt(0.0, "NEFTune (sft only): uniform noise of size alpha / sqrt(L * d) on the input "
+                                    "embeddings while training, L the sequence's length, d the width (0: off; "
+                                    "the paper uses 5)", min=0.0)
     lora_plus_ratio: float = opt(1.0, "LoRA+: the B matrices learn at learning_rate x this (1: plain LoRA; "
                                       "the LoRA+ paper suggests 16)", min=0.0)
     threads: int = opt(0, "CPU threads (0: all cores; RETRO_THREADS overrides)", min=0)

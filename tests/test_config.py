@@ -28,6 +28,8 @@ def test_defaults_and_relative_paths(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ("[trainig]\nepochs = 1\n", "unknown section [trainig]"),
+    ('[run]\nalgorithm = "grpo"\n[training]\nneftune_alpha = 5.0\n', "neftune_alpha applies to sft only"),
+    ('[lora]\nscaling = "dora"\n', "scaling"),
     ("[training]\nepoch = 1\n", "unknown key [training].epoch"),
     ('[training]\nbatch_size = "8"\n', "[training].batch_size: expected an integer, got '8'"),
     ("[training]\nlearning_rate = -1.0\n", "[training].learning_rate: must be >= 0.0"),

@@ -146,3 +146,23 @@ def test_checkpoint_writes_are_atomic(tiny, tmp_path):
     assert state["step"] == 4 and state["trainer"]["recipe"]["cursor"]["index"] >= 0
     opt = np.load(d / "step-4.state/optimizer.npz")
     assert any(k.startswith("m:") for k in opt.files)
+
+
+def test_neftune_noise_scale_and_exact_resume(tiny, tmp_path):
+    from retrograd.algorithms.sft import neftune_noise
+
+    seq = np.array([0] * 30 + [1] * 10, np.int32)
+    noise = neftune_noise(seq, 64, 5.0, np.random.default_rng(0))
+    assert np.abs(noise[:30]).max() <= 5.0 / np.sqrt(30 * 64) and np.abs(noise[30:]).max() <= 5.0 / np.sqrt(10 * 64)
+    assert np.abs(noise[30:]).max() > 0.9 * 5.0 / np.sqrt(10 * 64)      # each row scaled by its own sequence
+    (tmp_path / "noisy").mkdir()
+    (tmp_path / "plain").mkdir()
+    cfg = load(make_run(tmp_path / "noisy", tiny("llama"), steps=4, every=2))
+    cfg.training.neftune_alpha = 5.0
+    train(open_model(cfg))
+    run = tmp_path / "noisy" / "runs" / "t"
+    whole = (run / "adapter.gguf").read_bytes()
+    train(open_model(load(make_run(tmp_path / "plain", tiny("llama"), steps=4, every=2))))
+    assert (tmp_path / "plain" / "runs" / "t" / "adapter.gguf").read_bytes() != whole     # the noise trains differently
+    train(open_model(cfg), resume=run / "checkpoints" / "step-2.state")
+    assert (run / "adapter.gguf").read_bytes() == whole                                   # and resumes exactly

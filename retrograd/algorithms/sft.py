@@ -13,6 +13,14 @@ from retrograd.eval.nll import evaluate_nll
 from retrograd.losses.nll import nll
 
 
+def neftune_noise(seq_ids: np.ndarray, n_embd: int, alpha: float, rng: np.random.Generator) -> np.ndarray:
+    """NEFTune's noise for a packed batch: uniform in +-alpha / sqrt(L * d) per entry, L the length of
+    the row's own sequence (packing must not shrink the noise of short examples)."""
+    _, inverse, counts = np.unique(seq_ids, return_inverse=True, return_counts=True)
+    scale = alpha / np.sqrt(counts[inverse].astype(np.float64) * n_embd)
+    return (rng.uniform(-1.0, 1.0, (len(seq_ids), n_embd)) * scale[:, None]).astype(np.float32)
+
+
 class SFT(DataRecipe):
     def __init__(self, run: RunContext) -> None:
         self.run = run
@@ -23,11 +31,16 @@ class SFT(DataRecipe):
 
     def next_step(self) -> StepWork:
         t, d = self.run.cfg.training, self.run.cfg.data
+        at = self.stream.cursor.to_dict()      # the noise of a step depends on where it starts: resumable
         examples = take_step(self.stream, t)
         norm = float(sum(e.n_trained for e in examples))
         micro = []
-        for group in pack(examples, t.micro_batch_tokens, d.packing):
+        for i, group in enumerate(pack(examples, t.micro_batch_tokens, d.packing)):
             batch, _ = to_batch(group)
+            if t.neftune_alpha > 0:
+                seed = [self.run.cfg.run.seed, *(int(v) for v in at.values()), i]
+                batch.embed_noise = neftune_noise(batch.seq_ids, self.run.trainable.info.n_embd, t.neftune_alpha,
+                                                  np.random.default_rng(seed))
             w = np.ones(batch.n_targets, np.float32)
 
             def loss(inp: LossInputs, tally: Tally, w=w) -> LossOutputs:
