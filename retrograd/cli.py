@@ -9,6 +9,7 @@ import argparse
 import importlib
 import sys
 
+from retrograd import logs
 from retrograd.errors import reported
 from retrograd.features import NOT_BUILT as _NOT_BUILT
 from retrograd.features import refuse
@@ -51,8 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=COMMON + " Environment: RETRO_THREADS overrides training.threads; RETRO_REQUIRE_GPU_RESIDENT=1 equals "
                         "training.require_gpu_resident; RETRO_FAST_TOP_P=1 uses a faster top-p selection (ties may "
                         "resolve differently); RETRO_DEVICE_SAMPLING and RETRO_DEVICE_LOGPROBS have no effect in this "
-                        "version (sampling and its log-probs are always computed on the host); RETRO_LOG / RUST_LOG "
-                        "set llama.cpp's log level (default warn). Exit status: 0 success, 1 a failure (data, model, "
+                        "version (sampling and its log-probs are always computed on the host); RUST_LOG (alias RETRO_LOG: "
+                        "error, warn, info, debug, or retrograd=LEVEL) sets the log level of retrograd and of "
+                        "llama.cpp (default warn); RETROGRAD_CACHE moves the model cache; RETRO_STATE_DIR and "
+                        "RETRO_API_KEY are retrograd-server's defaults. Manual pages: man retrograd, man "
+                        "retrograd-COMMAND. Exit status: 0 success, 1 a failure (data, model, "
                         "checkpoint, device), 2 a configuration or usage mistake, 130 interrupted.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -224,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    logs.setup()
     ap = build_parser()
     args = ap.parse_args(argv)
     if not args.command:

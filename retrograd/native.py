@@ -17,6 +17,7 @@ import numpy as np
 
 from retrograd.batch import NO_PREFIX, Batch, CoeffFn, LossInputs, LossOutputs  # noqa: F401 - re-exported for callers
 from retrograd.errors import RetrogradError
+from retrograd.logs import log
 from retrograd.run_setup import resolve_threads
 
 # ggml answers a failed internal assertion by attaching gdb and printing every frame; a short
@@ -207,6 +208,8 @@ class Model(_Handle):
             v = getattr(raw, f.name)
             vals[f.name] = ffi.string(v).decode() if isinstance(v, ffi.CData) else v
         self.info = ModelInfo(**vals)
+        log.info("model %s: %s, %d layers, width %d, on %s, %d threads", self.path, self.info.arch, self.info.n_layer,
+                 self.info.n_embd, self.device.name, self.info.n_threads)
 
     def tensors(self) -> list[tuple[str, str, tuple[int, ...]]]:
         name, tname = ffi.new("char **"), ffi.new("char **")

@@ -20,6 +20,7 @@ from retrograd.config import Config, best_metric
 from retrograd.context import RunContext, preflight_check
 from retrograd.errors import RetrogradError
 from retrograd.fsutil import atomic_write
+from retrograd.logs import log
 from retrograd.report import MetricsLog, Progress, plot_run
 from retrograd.run_setup import checkpoint_dir
 
@@ -140,6 +141,7 @@ class Trainer:
             if _due(cfg.evaluation.every_steps, self.global_step, total):
                 rec.update(self.evaluate(progress))
             self.metrics.append(rec)
+            log.debug("step %d: %s", self.global_step, {k: v for k, v in rec.items() if isinstance(v, (int, float))})
             last = rec
             shown = {k: rec[k] for k in ("loss", "reward_mean", "eval_loss", "eval_reward") if k in rec}
             shown["lr"] = lr

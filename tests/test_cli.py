@@ -88,3 +88,50 @@ def test_chat_piped_compare_reset_exit(trained):
     out = cli("chat", str(trained / "run.toml"), "--base-only", "--temp", "0", "--max-new-tokens", "8",
               stdin="hello\n")
     assert out.returncode == 0 and out.stdout.strip()
+
+
+@pytest.mark.parametrize("command", [["chat", "--base-only"], ["serve", "--base-only"], ["bench"]])
+def test_device_gpu_without_a_gpu_fails_the_same_everywhere(trained, command):
+    from retrograd import native
+
+    if any(d.kind in ("gpu", "igpu") for d in native.devices()):
+        pytest.skip("this machine has a GPU")
+    out = cli(command[0], str(trained / "run.toml"), *command[1:], "--device", "gpu", stdin="hi\n", timeout=120)
+    assert out.returncode == 1 and "--device gpu: no GPU device" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_man_pages_match_the_parsers():
+    """man/man1 is what scripts/make_manpages.py writes from the argparse parsers now (run it after
+    changing a flag); every command of the specification has a page, and man can format each."""
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "scripts" / "make_manpages.py"), "--check"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pages = {p.stem for p in (root / "man" / "man1").glob("*.1")}
+    assert {f"retrograd-{c}" for c in SPEC_COMMANDS} | {"retrograd", "retrograd-server", "retrograd-profile"} <= pages
+    text = (root / "man" / "man1" / "retrograd-train.1").read_text()
+    assert "\\-\\-resume" in text and "\\-\\-device" in text
+    if shutil.which("man"):
+        shown = subprocess.run(["man", "-l", str(root / "man" / "man1" / "retrograd-server.1")], capture_output=True,
+                               text=True, timeout=60, env={**os.environ, "MANPAGER": "cat", "MANWIDTH": "100"})
+        assert shown.returncode == 0 and "--state-dir" in shown.stdout
+
+
+@pytest.mark.parametrize("env, shown", [
+    ({}, False), ({"RUST_LOG": "info"}, True), ({"RETRO_LOG": "debug"}, True),
+    ({"RUST_LOG": "warn,retrograd=info"}, True), ({"RUST_LOG": "retrograd=error"}, False)])
+def test_rust_log_sets_retrograds_own_level(smollm, env, shown):
+    clean = {k: v for k, v in os.environ.items() if k not in ("RUST_LOG", "RETRO_LOG")}
+    out = subprocess.run([sys.executable, "-m", "retrograd.cli", "inspect", "--model", str(smollm)], capture_output=True,
+                         text=True, timeout=120, env={**clean, **env})
+    assert out.returncode == 0, out.stderr
+    assert ("INFO retrograd] model" in out.stderr) == shown, out.stderr
+
+
+def test_rust_log_without_a_level_says_so(smollm):
+    out = subprocess.run([sys.executable, "-m", "retrograd.cli", "inspect", "--model", str(smollm)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "RUST_LOG": "loud"})
+    assert out.returncode == 0 and "names no level" in out.stderr

@@ -67,7 +67,7 @@ def profile_grpo(ctx: RunContext, steps: int) -> list[dict]:
     return rows[1:]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="retrograd-profile",
         description="Run a short GRPO or agentic GRPO workload from a configuration (in a throw-away run "
@@ -93,7 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     sft.add_argument("--rank", type=int, default=16, help="LoRA rank, alpha = 2 x rank (default 16)")
     sft.add_argument("--exact-ops", action="store_true",
                      help="ggml's own ops only (none of retrograd's fused kernels): the comparison point")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from retrograd import logs
+
+    logs.setup()
+    args = parser().parse_args(argv)
     return reported(lambda: _profile_sft(args) if args.sft else _profile(args))
 
 

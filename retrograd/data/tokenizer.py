@@ -15,13 +15,13 @@ from pathlib import Path
 import llama_cpp.llama_cpp as lc
 
 from retrograd.errors import RetrogradError
+from retrograd.logs import level_name
 
-_LEVELS = {"error": 4, "warn": 3, "warning": 3, "info": 2, "debug": 1, "trace": 1}
+_LEVELS = {"off": 6, "error": 4, "warn": 3, "warning": 3, "info": 2, "debug": 1, "trace": 1}
 
 
 def _log_threshold() -> int:
-    want = (os.environ.get("RETRO_LOG") or os.environ.get("RUST_LOG") or "warn").lower().split(",")[0]
-    return _LEVELS.get(want, 3)
+    return _LEVELS.get(level_name(), 3)
 
 
 @lc.llama_log_callback

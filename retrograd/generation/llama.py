@@ -21,6 +21,7 @@ import numpy as np
 
 from retrograd.data.tokenizer import Tokenizer, quiet_llama_logs
 from retrograd.errors import RetrogradError
+from retrograd.logs import log
 from retrograd.run_setup import resolve_threads
 
 _libc = ctypes.CDLL(None)
@@ -117,6 +118,12 @@ class Generator:
     def __init__(self, model_path: str | os.PathLike, *, n_ctx: int = 2048, n_seq: int = 1,
                  threads: int | None = None, device: str = "auto") -> None:
         quiet_llama_logs()
+        if device not in ("auto", "cpu"):
+            # the same check and error as the training engine's: --device gpu without a GPU fails here,
+            # instead of llama.cpp quietly keeping every layer on the CPU
+            from retrograd import native
+
+            native.select_device(device)
         self.path = Path(model_path)
         self.tokenizer = Tokenizer(self.path)
         mp = lc.llama_model_default_params()
@@ -136,6 +143,8 @@ class Generator:
         if not self._ctx:
             raise GenerationError(f"{self.path}: llama.cpp could not create a context of {cp.n_ctx} tokens")
         self.n_ctx = n_ctx
+        log.info("generator %s: %d sequences x %d tokens, %s layers on the GPU", self.path.name, self.n_seq, n_ctx,
+                 "no" if mp.n_gpu_layers == 0 else "all")
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
         self._mem = lc.llama_get_memory(self._ctx)
         self._batch_cap = max(512, self.n_seq)

@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from retrograd import logs
+
+    logs.setup()
     args = parser().parse_args(argv)
     return reported(lambda: run(args), prefix="retrograd-server")
 

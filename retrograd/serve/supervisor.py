@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from retrograd.logs import log
 from retrograd.serve.openai_api import ApiError
 from retrograd.serve.runs import ACTIVE, RESUMABLE, RunRecord, RunStore
 
@@ -147,6 +148,7 @@ class Supervisor:
             rec.state, rec.pid, rec.started, rec.error = "running", proc.pid, time.time(), None
             self.procs[rec.id] = proc
             self._save(rec)
+            log.info("run %s started (pid %d%s)", rec.id, proc.pid, ", resuming" if rec.resume else "")
             asyncio.create_task(self._pump(rec.id, proc))
         await self.notify()
 
@@ -173,6 +175,7 @@ class Supervisor:
             ended = ("crashed", f"the training process ended with {how}{hint}; see log.txt")
         rec.state, rec.error = ended
         rec.ended, rec.pid = time.time(), None
+        log.info("run %s %s%s", run_id, rec.state, f": {rec.error}" if rec.error else "")
         if rec.state == "finished":
             rec.resume = False
         self._save(rec)

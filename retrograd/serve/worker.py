@@ -104,6 +104,9 @@ def main(argv: list[str]) -> int:
     run_dir = Path(argv[1])
     chan = Channel(os.fdopen(os.dup(1), "wb"))
     os.dup2(2, 1)                       # stray prints go to the log, never into the message stream
+    from retrograd import logs
+
+    logs.setup()
     from retrograd.serve.openai_api import error_body
     from retrograd.serve.runs import RunRecord, RunStore
     from retrograd.trainer import RunStopped, train
