@@ -16,6 +16,7 @@ from cffi import FFI
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 VENDOR = ROOT / "vendor" / "llama.cpp"
+ORIGIN = "@loader_path" if sys.platform == "darwin" else "$ORIGIN"
 
 
 def llama_cpp_lib_dir() -> Path:
@@ -61,7 +62,9 @@ def make_ffi() -> FFI:
         library_dirs=[str(lib)],
         libraries=["ggml", "ggml-base", "ggml-cpu"],
         extra_compile_args=extra_compile,
-        extra_link_args=[f"-Wl,-rpath,{lib}"],
+        # first the llama-cpp-python beside the installed package (a wheel installed anywhere), then the
+        # one it was built against (an editable install in the source tree)
+        extra_link_args=[f"-Wl,-rpath,{ORIGIN}/../llama_cpp/lib", f"-Wl,-rpath,{lib}"],
     )
     return ffi
 
