@@ -135,3 +135,9 @@ def test_rust_log_without_a_level_says_so(smollm):
     out = subprocess.run([sys.executable, "-m", "retrograd.cli", "inspect", "--model", str(smollm)], capture_output=True,
                          text=True, timeout=120, env={**os.environ, "RUST_LOG": "loud"})
     assert out.returncode == 0 and "names no level" in out.stderr
+
+
+def test_device_sampling_variables_say_they_do_nothing(smollm):
+    out = subprocess.run([sys.executable, "-m", "retrograd.cli", "inspect", "--model", str(smollm)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "RETRO_DEVICE_SAMPLING": "1"})
+    assert out.returncode == 0 and "RETRO_DEVICE_SAMPLING has no effect" in out.stderr
