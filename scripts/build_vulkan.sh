@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# A second backend for real: the Vulkan build of llama-cpp-python (and retrograd's native library
+# linked to its ggml) in .venv-vulkan, runnable here on Mesa's lavapipe (a Vulkan device on the CPU).
+#   1. Debian's mesa-vulkan-drivers, libvulkan-dev, glslc and vulkan-tools (apt-get, when root)
+#   2. .venv-vulkan with llama-cpp-python built from source with CMAKE_ARGS="-DGGML_VULKAN=on"
+#      (pip's cached CPU wheel must not be reused: --no-binary); about 20-30 minutes on 2 cores
+#   3. retrograd's wheel from the committed files, installed there (its native library finds the
+#      Vulkan ggml beside it)
+# ggml-vulkan skips CPU-type devices such as lavapipe unless GGML_VK_VISIBLE_DEVICES names them:
+#     GGML_VK_VISIBLE_DEVICES=0 .venv-vulkan/bin/retrograd inspect --model M --device gpu
+# tests/test_vulkan.py uses it (RETRO_CI_VULKAN=1 bash .ci/run builds it and runs them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+if ! command -v glslc >/dev/null 2>&1 || [ ! -e /usr/include/vulkan/vulkan.h ] ||
+   ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends mesa-vulkan-drivers libvulkan-dev glslc vulkan-tools >/dev/null ||
+      { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends mesa-vulkan-drivers \
+          libvulkan-dev glslc vulkan-tools >/dev/null; }
+  else
+    echo "error: install mesa-vulkan-drivers libvulkan-dev glslc vulkan-tools first" >&2
+    exit 1
+  fi
+fi
+PY=${PYTHON:-python3}
+[ -x .venv-vulkan/bin/python ] || "$PY" -m venv .venv-vulkan
+pip=(.venv-vulkan/bin/python -m pip -q --disable-pip-version-check)
+"${pip[@]}" install --upgrade pip "setuptools>=77" wheel "cffi>=1.16" 2>&1 | sed '/is ignored/d'
+version=$(.venv-vulkan/bin/python -c 'exec(open("retrograd/_pins.py").read()); print(LLAMA_CPP_PYTHON_VERSION)')
+if ! ls .venv-vulkan/lib/python*/site-packages/llama_cpp/lib/libggml-vulkan.* >/dev/null 2>&1; then
+  echo "building llama-cpp-python $version with Vulkan (20-30 minutes on 2 cores)..."
+  CMAKE_ARGS="-DGGML_VULKAN=on" "${pip[@]}" install --no-cache-dir --no-binary llama-cpp-python \
+    "llama-cpp-python==$version" 2>&1 | sed '/is ignored/d'
+fi
+ls .venv-vulkan/lib/python*/site-packages/llama_cpp/lib/libggml-vulkan.* >/dev/null ||
+  { echo "error: llama-cpp-python has no Vulkan backend after the build" >&2; exit 1; }
+[ -d vendor/llama.cpp ] || .venv-vulkan/bin/python scripts/fetch_vendor.py
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+git ls-files -z | xargs -0 cp --parents -t "$work"
+ln -s "$root/vendor" "$work/vendor"
+(cd "$work" && "$root/.venv-vulkan/bin/python" -m pip -q wheel --no-build-isolation --no-deps -w "$work/dist" . 2>&1 |
+  sed '/is ignored/d')
+"${pip[@]}" install --force-reinstall --no-deps "$work"/dist/retrograd-*.whl 2>&1 | sed '/is ignored/d'
+"${pip[@]}" install "$work"/dist/retrograd-*.whl 2>&1 | sed '/is ignored/d'       # its dependencies
+cd /
+GGML_VK_VISIBLE_DEVICES=0 "$root/.venv-vulkan/bin/python" -c "
+from retrograd import native
+print('devices:', ', '.join(f'{d.name} ({d.kind})' for d in native.devices()))
+print('gpu:', native.select_device('gpu').name)"

@@ -1,0 +1,70 @@
+"""The Vulkan build on Mesa's lavapipe (scripts/build_vulkan.sh makes .venv-vulkan): the GPU device is
+found, preflight names the training-graph ops Vulkan lacks, a few SFT steps on the device give the
+losses of the CPU within a stated tolerance, and require_gpu_resident refuses exactly when ops would
+fall back. Slow (the build takes 20-30 minutes on 2 cores): run only when asked,
+RETRO_CI_VULKAN=1 bash .ci/run (which builds it first) or RETRO_CI_VULKAN=1 pytest tests/test_vulkan.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import THREADS
+
+ROOT = Path(__file__).resolve().parent.parent
+VK = ROOT / ".venv-vulkan" / "bin"
+
+pytestmark = pytest.mark.skipif(os.environ.get("RETRO_CI_VULKAN") != "1",
+                                reason="the Vulkan build is tested only when asked: RETRO_CI_VULKAN=1")
+
+LOSS_RTOL = 2e-2      # a different device's kernels (F16/F32 accumulation orders) over 3 steps
+
+
+def vk(*args: str, cwd: Path, env: dict | None = None, timeout: int = 1800) -> subprocess.CompletedProcess:
+    if not (VK / "retrograd").exists():
+        pytest.fail("no .venv-vulkan: run bash scripts/build_vulkan.sh")
+    full = {**os.environ, "GGML_VK_VISIBLE_DEVICES": "0", "RETRO_THREADS": str(THREADS), **(env or {})}
+    return subprocess.run([str(VK / "retrograd"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=full)
+
+
+def test_inspect_and_preflight_on_the_vulkan_device(smollm, tmp_path):
+    out = vk("inspect", "--model", str(smollm), "--device", "gpu", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    device = next(line for line in out.stdout.splitlines() if line.startswith("device"))
+    assert "Vulkan" in device or "llvmpipe" in device.lower(), device
+    out = vk("preflight", "--model", str(smollm), "--device", "gpu", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "every op of the training graph" in out.stdout or "fall back" in out.stdout, out.stdout
+
+
+def test_sft_on_the_device_matches_the_cpu_and_residency_is_enforced(smollm, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"Code {i}?"}, {"role": "assistant", "content": "ZEBRA-7"}]}
+            for i in range(12)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    losses = {}
+    for device in ("cpu", "gpu"):
+        d = tmp_path / device
+        d.mkdir()
+        (d / "run.toml").write_text(f'[model]\npath = "{smollm}"\nctx = 128\ndevice = "{device}"\n[lora]\nrank = 4\n'
+                                    f'alpha = 8\n[data]\ntrain = "{tmp_path / "train.jsonl"}"\nshuffle = false\n'
+                                    '[training]\nmax_steps = 3\nbatch_size = 2\nlearning_rate = 1e-3\n'
+                                    '[checkpoint]\nevery_steps = 0\n')
+        out = vk("train", str(d / "run.toml"), cwd=d)
+        assert out.returncode == 0, out.stderr
+        losses[device] = [json.loads(line)["loss"] for line in (d / "runs" / "run" / "metrics.jsonl").read_text()
+                          .splitlines() if "loss" in json.loads(line)]
+    assert len(losses["gpu"]) == 3
+    for a, b in zip(losses["cpu"], losses["gpu"]):
+        assert abs(a - b) <= LOSS_RTOL * abs(a), losses
+    pre = vk("preflight", "--model", str(smollm), "--device", "gpu", cwd=tmp_path)
+    falls_back = "every op of the training graph" not in pre.stdout
+    strict = vk("train", str(tmp_path / "gpu" / "run.toml"), cwd=tmp_path / "gpu",
+                env={"RETRO_REQUIRE_GPU_RESIDENT": "1"})
+    if falls_back:
+        assert strict.returncode == 1 and "require_gpu_resident" in strict.stderr, strict.stderr
+    else:
+        assert strict.returncode == 0, strict.stderr
