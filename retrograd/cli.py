@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
 
 from retrograd import logs
 from retrograd.errors import reported
@@ -224,6 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in NOT_BUILT.items():
         p = sub.add_parser(name, help=f"[not built yet] {what}", description=f"Not built yet: {what}.")
         p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    # the top-level help lists every command with its flags, then the environment (kept as written)
+    listing = ["commands and their flags (retrograd COMMAND --help explains each):"]
+    for p in sub.choices.values():
+        nested = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        for q in (list(nested[0].choices.values()) if nested else [p]):      # models fetch, tools list, ...
+            usage = " ".join(q.format_usage().split()).removeprefix("usage: ")
+            listing.append(textwrap.fill(usage, 100, initial_indent="  ", subsequent_indent="      ",
+                                         break_on_hyphens=False))
+    ap.formatter_class = argparse.RawDescriptionHelpFormatter
+    ap.description = textwrap.fill(ap.description, 100)
+    ap.epilog = "\n".join(listing) + "\n\n" + "\n\n".join(textwrap.fill(par, 100) for par in ap.epilog.split("\n\n"))
     return ap
 
 

@@ -12,6 +12,13 @@ from conftest import THREADS, train_sft
 
 from retrograd.cli import NOT_BUILT
 
+#: the flags and environment variables the specification's command reference names
+SPEC_FLAGS = ("--adapter --allow-unverified --api --api-key --base-only --checkpoint --compare --ctx --data --device "
+              "--dry-run --fixtures --force --format --help --host --json --k --keep --limit --max-new-tokens "
+              "--min-gap --min-reward --model --model-name --no-connect --out --pairs --port --raw --report "
+              "--require-verified --resume --seed --strict --system --targets --temp --top-p").split()
+SPEC_ENV = ("RETRO_DEVICE_LOGPROBS", "RETRO_DEVICE_SAMPLING", "RETRO_FAST_TOP_P", "RETRO_REQUIRE_GPU_RESIDENT",
+            "RETRO_THREADS", "RUST_LOG")
 SPEC_COMMANDS = ["train", "bench", "chat", "serve", "inspect", "preflight", "distill-teacher", "tools", "scenarios",
                  "judge", "collect"]
 
@@ -30,6 +37,14 @@ def test_help_lists_every_command_of_the_specification():
     for c in NOT_BUILT:
         r = cli(c, "x.toml")
         assert r.returncode == 2 and "not built yet" in r.stderr
+    # every flag and environment variable the specification names is in the help
+    import re
+
+    helps = out.stdout + "".join(subprocess.run([sys.executable, "-m", m, "--help"], capture_output=True, text=True,
+                                                timeout=60).stdout
+                                 for m in ("retrograd.serve.multi", "retrograd.commands.profile"))
+    assert not [f for f in SPEC_FLAGS if not re.search(re.escape(f) + r"(?![\w-])", helps)]
+    assert not [e for e in SPEC_ENV if e not in out.stdout]
 
 
 def test_inspect(smollm):
