@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A second backend for real: the Vulkan build of llama-cpp-python (and retrograd's native library
 # linked to its ggml) in .venv-vulkan, runnable here on Mesa's lavapipe (a Vulkan device on the CPU).
-#   1. Debian's mesa-vulkan-drivers, libvulkan-dev, glslc and vulkan-tools (apt-get, when root)
+#   1. Debian's mesa-vulkan-drivers, libvulkan-dev, glslc, spirv-headers and vulkan-tools (apt-get, when root)
 #   2. .venv-vulkan with llama-cpp-python built from source with CMAKE_ARGS="-DGGML_VULKAN=on"
 #      (pip's cached CPU wheel must not be reused: --no-binary); about 20-30 minutes on 2 cores
 #   3. retrograd's wheel from the committed files, installed there (its native library finds the
@@ -13,14 +13,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 if ! command -v glslc >/dev/null 2>&1 || [ ! -e /usr/include/vulkan/vulkan.h ] ||
-   ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
+   ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1 || [ ! -d /usr/share/cmake/SPIRV-Headers ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q --no-install-recommends mesa-vulkan-drivers libvulkan-dev glslc vulkan-tools >/dev/null ||
+    apt-get install -y -q --no-install-recommends mesa-vulkan-drivers libvulkan-dev glslc spirv-headers vulkan-tools >/dev/null ||
       { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends mesa-vulkan-drivers \
-          libvulkan-dev glslc vulkan-tools >/dev/null; }
+          libvulkan-dev glslc spirv-headers vulkan-tools >/dev/null; }
   else
-    echo "error: install mesa-vulkan-drivers libvulkan-dev glslc vulkan-tools first" >&2
+    echo "error: install mesa-vulkan-drivers libvulkan-dev glslc spirv-headers vulkan-tools first" >&2
     exit 1
   fi
 fi

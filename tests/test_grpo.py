@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import THREADS
 
@@ -198,3 +199,23 @@ def test_retrograd_profile_sft_reports_ops_kinds_and_flops(tiny, tmp_path):
         bad = subprocess.run([sys.executable, "-m", "retrograd.commands.profile", *argv], capture_output=True, text=True)
         assert bad.returncode == 2 and msg in bad.stderr, (argv, bad.stderr)
 
+
+
+def test_generate_groups_equals_one_group_at_a_time(smollm):
+    """A step's groups decoded together (one batch) sample what each group alone samples."""
+    from retrograd.generation.llama import Generator, SamplingParams
+
+    gen = Generator(smollm, n_ctx=96, n_seq=9, threads=THREADS)
+    tok = gen.tokenizer
+    prompts = [tok.encode("The capital of France is"), tok.encode("The capital of Peru is"), tok.encode("Two plus")]
+    params = [[SamplingParams(0.7, 0.95, 0, 10, 10 * g + i) for i in range(3)] for g in range(3)]
+    together = gen.generate_groups(prompts, params)
+    alone = [gen.generate(p, ps) for p, ps in zip(prompts, params)]
+    for group_t, group_a in zip(together, alone):
+        for a, b in zip(group_t, group_a):
+            assert a.tokens == b.tokens and a.text == b.text
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=0.05)
+    assert len({tuple(o.tokens) for o in together[0]}) > 1          # the seeds differ within a group
+    with pytest.raises(ValueError, match="10 sequences requested"):
+        gen.generate_groups(prompts, params[:2] + [params[2] + [params[2][0]]])
+    gen.close()

@@ -34,7 +34,9 @@ class Rollout:
 class GRPO(RolloutRecipe):
     def __init__(self, run: RunContext) -> None:
         g = run.cfg.grpo
-        super().__init__(run, g, "grpo", n_seq=g.group_size)
+        # without resampling, a step's groups are decoded together (one weight read per token for all)
+        together = g.prompts_per_step if g.resample_zero_groups == 0 else 1
+        super().__init__(run, g, "grpo", n_seq=g.group_size * together)
         self.pg = PGConfig(g.loss, g.epsilon, g.epsilon_high or g.epsilon, g.beta, max_new_tokens=g.max_new_tokens)
         self.current: Rollout | None = None
         self.iteration = 0
@@ -47,9 +49,18 @@ class GRPO(RolloutRecipe):
         groups_out, lengths, slogp, groups, rewards = [], [], [], [], []
         per: dict[str, list[float]] = {r.name: [] for r in self.rewards}
         zero, errors = 0, 0
-        for pi, prompt in enumerate(self.stream.take(n=g.prompts_per_step)):
+        prompts = self.stream.take(n=g.prompts_per_step)
+        together = None
+        if g.resample_zero_groups == 0:
+            together = self.gen.generate_groups([p.tokens for p in prompts],
+                                                [self.sampling(self.seeds(pi, 0, n=g.group_size))
+                                                 for pi in range(len(prompts))])
+        for pi, prompt in enumerate(prompts):
             for attempt in range(g.resample_zero_groups + 1):
-                outs = self.gen.generate(prompt.tokens, self.sampling(self.seeds(pi, attempt, n=g.group_size)))
+                if together is not None:
+                    outs = together[pi]
+                else:
+                    outs = self.gen.generate(prompt.tokens, self.sampling(self.seeds(pi, attempt, n=g.group_size)))
                 sc = self.score([o.text for o in outs], prompt)
                 if len(set(sc.total)) > 1 or attempt == g.resample_zero_groups:
                     break

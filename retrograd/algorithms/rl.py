@@ -36,8 +36,11 @@ class RolloutRecipe:
         self.rollout_index = 0
 
     def context_size(self) -> int:
-        """Tokens per generated sequence: the longest prompt and the longest completion."""
-        return self.g.max_prompt_tokens + self.g.max_new_tokens + 8
+        """Tokens per generated sequence: the longest prompt there is (longer ones than max_prompt_tokens
+        were skipped when loading) and the longest completion; a KV cache sized to the work."""
+        prompts = [*self.train_prompts, *self.eval_prompts]
+        longest = max((len(p.tokens) for p in prompts), default=self.g.max_prompt_tokens)
+        return longest + self.g.max_new_tokens + 8
 
     def build_rewards(self) -> list[rw.Reward]:
         cfg = self.run.cfg

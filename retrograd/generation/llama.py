@@ -286,6 +286,51 @@ class Generator:
         self._cache = list(prompts[0][:shared])
         return outs
 
+    def generate_groups(self, prompts: Sequence[Sequence[int]],
+                        params: Sequence[Sequence[SamplingParams]]) -> list[list[Completion]]:
+        """Continue prompt g len(params[g]) times, every group in one batch: a GRPO step's groups
+        decode together, so each decode step reads the weights once for all of them. The prefix the
+        prompts share is decoded once, each prompt once, and copied to its group's sequences."""
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts for {len(params)} groups")
+        n = sum(len(p) for p in params)
+        if n > self.n_seq:
+            raise ValueError(f"{n} sequences requested, the context was made for {self.n_seq}")
+        if len(prompts) == 1:
+            return [self.generate(prompts[0], params[0])]
+        longest = max(len(p) for p in prompts)
+        if longest + 1 > self.n_ctx:
+            raise ValueError(f"a prompt of {longest} tokens does not fit the context of {self.n_ctx}")
+        shared, first = 0, prompts[0]
+        while shared < min(len(p) for p in prompts) - 1 and all(p[shared] == first[shared] for p in prompts):
+            shared += 1
+        self._prefill(first[:shared + 1], 1)          # the shared prefix (and one token more) in sequence 0
+        lc.llama_memory_seq_rm(self._mem, 0, shared, -1)
+        self._cache = list(first[:shared])
+        bases, base = [], 0
+        for ps in params:
+            bases.append(base)
+            base += len(ps)
+        for b in bases[1:]:
+            lc.llama_memory_seq_cp(self._mem, 0, b, -1, -1)
+        logits, pos, flat = {}, [], []
+        for b, prompt, ps in zip(bases, prompts, params):
+            rest = list(prompt[shared:])
+            self._decode(rest, range(shared, len(prompt)), [b] * len(rest), [False] * (len(rest) - 1) + [True])
+            last = self._logits(self._last_row(len(rest)))
+            for s in range(b, b + len(ps)):
+                if s != b:
+                    lc.llama_memory_seq_cp(self._mem, b, s, -1, -1)
+                logits[s] = last
+                pos.append(len(prompt))
+            flat += list(ps)
+        outs = self._sample(logits, pos, flat)
+        lc.llama_memory_seq_rm(self._mem, 0, shared, -1)
+        for s in range(1, n):
+            lc.llama_memory_seq_rm(self._mem, s, -1, -1)
+        self._cache = list(first[:shared])
+        return [outs[b:b + len(ps)] for b, ps in zip(bases, params)]
+
     def _sample(self, logits: dict[int, np.ndarray], pos: list[int], params: Sequence[SamplingParams]) -> list[Completion]:
         """Sample every sequence to its end, one batched decode per step; pos[s] is where sequence
         s writes its next token."""
