@@ -46,14 +46,17 @@ class Server:
     def start(self) -> None:
         port = free_port()
         env = {**os.environ, "RETRO_THREADS": str(THREADS)}
+        self.state.mkdir(parents=True, exist_ok=True)
+        # stderr to a file: a pipe nobody reads would block the server once it filled up
+        self.stderr = open(self.state / "server.stderr", "a")
         self.proc = subprocess.Popen([sys.executable, "-m", "retrograd.serve.multi", "--port", str(port),
                                       "--state-dir", str(self.state), *self.extra],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+                                     stdout=subprocess.DEVNULL, stderr=self.stderr, text=True, env=env)
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 60
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(self.proc.stderr.read())
+                raise AssertionError((self.state / "server.stderr").read_text())
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=1)
                 return

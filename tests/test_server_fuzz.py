@@ -124,6 +124,10 @@ def test_still_answering_after_the_fuzz(fuzzed):
     srv, run_id = fuzzed
     assert SEEN[200] >= 5 and SEEN[400] >= 5 and SEEN[404] >= 1, SEEN
     assert srv.call("GET", "/health")[0] == 200
-    status, answer = srv.call("POST", "/v1/chat/completions", {"model": f"{run_id}@final", "max_tokens": 4,
-                                                               "messages": [{"role": "user", "content": "abc"}]})
-    assert status == 200 and answer["choices"][0]["finish_reason"] in ("stop", "length")
+    for seed in (-3, 2**63 + 5, None):      # OpenAI's seed is any integer (a negative one was a 500 once)
+        status, answer = srv.call("POST", "/v1/chat/completions", {"model": f"{run_id}@final", "max_tokens": 4,
+                                                                   "seed": seed, "temperature": 0.9,
+                                                                   "messages": [{"role": "user", "content": "abc"}]})
+        assert status == 200 and answer["choices"][0]["finish_reason"] in ("stop", "length"), answer
+    log = (srv.state / "server.stderr").read_text()
+    assert "Traceback" not in log and "Error handling request" not in log, log[-2000:]

@@ -337,7 +337,7 @@ class Generator:
         n = len(params)
         tok = self.tokenizer
         outs = [Completion() for _ in range(n)]
-        rngs = [np.random.default_rng(p.seed) for p in params]
+        rngs = [np.random.default_rng(p.seed & (2**64 - 1)) for p in params]     # any integer seed, negative too
         active = list(range(n))
         pos = list(pos)
         while active:

@@ -137,14 +137,14 @@ class Supervisor:
             rec = queued[0]
             if self.on_device_change:
                 self.on_device_change(rec.id)       # served models let go of the device first
-            log = open(self.store.log_path(rec.id), "ab")
+            logfile = open(self.store.log_path(rec.id), "ab")
             try:
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "retrograd.serve.worker", str(self.store.dir(rec.id)),
-                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log,
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=logfile,
                     start_new_session=True, limit=1 << 20)
             finally:
-                log.close()
+                logfile.close()
             rec.state, rec.pid, rec.started, rec.error = "running", proc.pid, time.time(), None
             self.procs[rec.id] = proc
             self._save(rec)
