@@ -18,6 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 from conftest import THREADS
+from test_serve import free_port
 
 from retrograd.data.chat import format_for
 from retrograd.generation.conversation import encode_prompt, read_reply
@@ -28,14 +29,6 @@ RECORDS = [{"messages": [{"role": "user", "content": f"Say the word number {i}."
                          {"role": "assistant", "content": f"Word {i}: {'alpha beta gamma delta'.split()[i % 4]}"}]}
            for i in range(40)]
 SHARED: dict = {}           # the first test's finished run, which later tests compare with
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

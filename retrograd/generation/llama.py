@@ -235,22 +235,27 @@ class Generator:
             lc.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
         return last
 
-    def _prefill_each(self, prompts: Sequence[Sequence[int]]) -> tuple[dict[int, np.ndarray], int]:
-        """Different prompts, one per sequence: their common prefix once in sequence 0 (reusing the
-        cached one), shared with the others, then each prompt's own rest. Returns the logits after
-        each prompt and the length of the shared prefix."""
+    def _prefill_shared(self, prompts: Sequence[Sequence[int]], copies: Sequence[int]) -> int:
+        """The prefix all prompts share, decoded once in sequence 0 (reusing the cached one) and copied
+        to the sequences in `copies`; returns its length."""
         longest = max(len(p) for p in prompts)
         if longest + 1 > self.n_ctx:
             raise ValueError(f"a prompt of {longest} tokens does not fit the context of {self.n_ctx}")
-        shared = 0
-        first = prompts[0]
+        shared, first = 0, prompts[0]
         while shared < min(len(p) for p in prompts) - 1 and all(p[shared] == first[shared] for p in prompts):
             shared += 1
         self._prefill(first[:shared + 1], 1)          # the prefix (and one token more) in sequence 0
         lc.llama_memory_seq_rm(self._mem, 0, shared, -1)
         self._cache = list(first[:shared])
-        for s in range(1, len(prompts)):
+        for s in copies:
             lc.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
+        return shared
+
+    def _prefill_each(self, prompts: Sequence[Sequence[int]]) -> tuple[dict[int, np.ndarray], int]:
+        """Different prompts, one per sequence: their common prefix once in sequence 0 (reusing the
+        cached one), shared with the others, then each prompt's own rest. Returns the logits after
+        each prompt and the length of the shared prefix."""
+        shared = self._prefill_shared(prompts, range(1, len(prompts)))
         logits = {}
         for s, p in enumerate(prompts):
             rest = list(p[shared:])
@@ -298,21 +303,10 @@ class Generator:
             raise ValueError(f"{n} sequences requested, the context was made for {self.n_seq}")
         if len(prompts) == 1:
             return [self.generate(prompts[0], params[0])]
-        longest = max(len(p) for p in prompts)
-        if longest + 1 > self.n_ctx:
-            raise ValueError(f"a prompt of {longest} tokens does not fit the context of {self.n_ctx}")
-        shared, first = 0, prompts[0]
-        while shared < min(len(p) for p in prompts) - 1 and all(p[shared] == first[shared] for p in prompts):
-            shared += 1
-        self._prefill(first[:shared + 1], 1)          # the shared prefix (and one token more) in sequence 0
-        lc.llama_memory_seq_rm(self._mem, 0, shared, -1)
-        self._cache = list(first[:shared])
-        bases, base = [], 0
-        for ps in params:
-            bases.append(base)
-            base += len(ps)
-        for b in bases[1:]:
-            lc.llama_memory_seq_cp(self._mem, 0, b, -1, -1)
+        bases = [0]
+        for ps in params[:-1]:
+            bases.append(bases[-1] + len(ps))
+        shared = self._prefill_shared(prompts, bases[1:])
         logits, pos, flat = {}, [], []
         for b, prompt, ps in zip(bases, prompts, params):
             rest = list(prompt[shared:])
@@ -328,7 +322,7 @@ class Generator:
         lc.llama_memory_seq_rm(self._mem, 0, shared, -1)
         for s in range(1, n):
             lc.llama_memory_seq_rm(self._mem, s, -1, -1)
-        self._cache = list(first[:shared])
+        self._cache = list(prompts[0][:shared])
         return [outs[b:b + len(ps)] for b, ps in zip(bases, params)]
 
     def _sample(self, logits: dict[int, np.ndarray], pos: list[int], params: Sequence[SamplingParams]) -> list[Completion]:

@@ -79,14 +79,18 @@ def answer(gen: Generator, chat: ChatFormat, req: ChatRequest, seed: int) -> tup
     return message_payload(content, calls), finish, usage
 
 
-async def read_chat_request(request: web.Request) -> ChatRequest:
-    """The validated request body (ApiError 400 naming the field otherwise)."""
+async def read_json(request: web.Request) -> tuple[bytes, object]:
+    """The raw body and its JSON (ApiError 400 when it is not JSON)."""
     raw = await request.read()
     try:
-        body = json.loads(raw)
+        return raw, json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
-    return parse_chat_request(body)
+
+
+async def read_chat_request(request: web.Request) -> ChatRequest:
+    """The validated request body (ApiError 400 naming the field otherwise)."""
+    return parse_chat_request((await read_json(request))[1])
 
 
 async def respond(request: web.Request, req: ChatRequest, answered: tuple[dict, str, dict],

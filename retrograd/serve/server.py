@@ -15,8 +15,9 @@ from pathlib import Path
 
 from aiohttp import web
 
+from retrograd.config import Config
 from retrograd.errors import RetrogradError
-from retrograd.serve.app import error_middleware, respond
+from retrograd.serve.app import error_middleware, read_json, respond
 from retrograd.serve.follow import finite, follow
 from retrograd.serve.openai_api import ApiError, parse_chat_request
 from retrograd.serve.openapi import document
@@ -49,6 +50,7 @@ class RunServer:
         self.api_key = api_key
         self.exclusive_cpu = exclusive_cpu
         self.waiting: dict[str, int] = defaultdict(int)
+        self._configs: dict[str, Config] = {}
         self.started = int(time.time())
 
     # ---- models ----------------------------------------------------------------------------
@@ -95,7 +97,7 @@ class RunServer:
                     raise ApiError(404, f"model: run {run_id} ({rec.state}, step {rec.step}) has no {which} adapter"
                                         f" (saved: {have})", param="model", code="model_not_found")
             await self.wait_for_device(rec)
-            cfg = self.sup.store.config(rec)
+            cfg = self.config(rec)
             try:
                 answer = await asyncio.get_running_loop().run_in_executor(None, self.pool.answer, cfg, adapter, req)
             except RetrogradError as exc:
@@ -121,7 +123,13 @@ class RunServer:
             await asyncio.sleep(0.25)
 
     def _exclusive(self, holder) -> bool:
-        return self.exclusive_cpu or self.sup.store.config(holder).model.device == "gpu"
+        return self.exclusive_cpu or self.config(holder).model.device == "gpu"
+
+    def config(self, rec) -> Config:
+        """A run's configuration, read once (its config.toml never changes after submission)."""
+        if rec.id not in self._configs:
+            self._configs[rec.id] = self.sup.store.config(rec)
+        return self._configs[rec.id]
 
     # ---- the application ---------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -202,10 +210,7 @@ class RunServer:
         if request.content_type in ("application/toml", "text/plain"):
             body: dict = {"toml": raw.decode("utf-8", "replace")}
         else:
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+            body = (await read_json(request))[1]
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object: {\"config\": PATH} or {\"toml\": TEXT}")
         for key in ("config", "toml", "name", "base_dir"):
@@ -258,11 +263,7 @@ class RunServer:
         return web.json_response({"object": "list", "data": data})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+        raw, body = await read_json(request)
         req = parse_chat_request(body)
         run_id, _ = split_ref(req.model)
         rec = self.sup.runs.get(run_id)
