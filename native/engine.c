@@ -11,7 +11,7 @@
  * compute slowly (base-weight gradients, LoRA's and attention's thin products) and orders the
  * dequantized weight copies so that each is a short-lived transient (docs/architecture.md).
  */
-#include "rg_internal.h"
+#include "engine_impl.h"
 
 #include <math.h>
 
@@ -19,44 +19,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-struct rg_engine {
-    rg_model           * model;
-    ggml_backend_sched_t sched;
-    ggml_gallocr_t       opt_galloc;
-    rg_head            * head;
-    size_t               head_budget;
-    void               * ctx_mem;
-    size_t               ctx_mem_size;
-    size_t               graph_size;
-    bool                 exact_ops;
-    int                  matmul_mode;
-    bool                 profiling;
-    rg_profile           prof;
-    double               prof_last;
-    /* the last preflight: pre_n op kinds (in ggml op order) with their unsupported nodes */
-    int                  pre_n;
-    int                  pre_count[RG_OP_KEYS];
-    const char         * pre_name[RG_OP_KEYS];
-    rg_timings           timings;
-};
-
-/* state of one accumulate() call, visible to the eval callback */
-typedef struct {
-    rg_engine          * e;
-    const rg_batch     * batch;
-    int32_t              n_real;      /* rows before padding */
-    struct ggml_tensor * hidden;
-    struct ggml_tensor * grad_hidden;
-    rg_coeff_fn          fn;
-    void               * user;
-    int                  want_entropy, want_hidden;
-    int                  lora_rank;
-    float              * logp;
-    rg_status            status;
-    double               t_start, t_hidden;
-    char                 error[1024];
-} rg_run;
 
 static size_t graph_size_for(const rg_model * m) {
     return 4096 + (size_t) m->hp.n_layer * 1024;
@@ -107,6 +69,8 @@ void rg_engine_set_matmul_mode(rg_engine * e, int mode) {
 
 void rg_engine_set_exact_ops(rg_engine * e, int on) { e->exact_ops = on != 0; }
 
+void rg_engine_set_recompute(rg_engine * e, int on) { e->recompute = on != 0; }
+
 void rg_engine_set_head_budget(rg_engine * e, size_t bytes) { e->head_budget = bytes; }
 
 void rg_engine_get_timings(const rg_engine * e, rg_timings * out) { *out = e->timings; }
@@ -149,6 +113,9 @@ static rg_status check_batch(const rg_model * m, const rg_batch * b) {
     if (b->n_targets < 0) return rg_fail(RG_ERR_ARG, "negative target count");
     if (!b->tokens || !b->positions || !b->seq_ids) return rg_fail(RG_ERR_ARG, "batch without tokens, positions or sequence ids");
     if (b->n_targets > 0 && (!b->target_rows || !b->target_ids)) return rg_fail(RG_ERR_ARG, "batch without target rows or ids");
+    if (!(b->lora_dropout >= 0.0f && b->lora_dropout < 1.0f)) {
+        return rg_fail(RG_ERR_ARG, "LoRA dropout must be in [0, 1), got %g", (double) b->lora_dropout);
+    }
     for (int i = 0; i < b->n_tokens; i++) {
         if (b->tokens[i] < 0 || b->tokens[i] >= m->hp.n_vocab) {
             return rg_fail(RG_ERR_ARG, "token %d at row %d is outside the vocabulary of %d", b->tokens[i], i, m->hp.n_vocab);
@@ -161,12 +128,6 @@ static rg_status check_batch(const rg_model * m, const rg_batch * b) {
     }
     return check_prefixes(b);
 }
-
-typedef struct {
-    rg_batch  b;
-    int32_t * owned;
-    float   * owned_noise;  /* the embedding noise with zero rows for the padding */
-} rg_padded;
 
 static rg_status pad_batch(const rg_batch * in, int n_embd, rg_padded * out) {
     out->b = *in;
@@ -212,15 +173,7 @@ static rg_status pad_batch(const rg_batch * in, int n_embd, rg_padded * out) {
 }
 
 /* ---- graph building ------------------------------------------------------------------------ */
-typedef struct {
-    struct ggml_context * ctx;
-    struct ggml_cgraph  * gf;
-    rg_graph_build        b;
-    struct ggml_tensor  * grad_hidden;
-    struct ggml_tensor  * loss_grad;
-} rg_built;
-
-static struct ggml_tensor * grad_of_param(const rg_lora * l, const struct ggml_tensor * t) {
+struct ggml_tensor * rg_engine_grad_of_param(const rg_lora * l, const struct ggml_tensor * t) {
     for (int p = 0; p < l->n_pairs; p++) {
         if (l->pairs[p].a.t[RG_SLOT_PARAM] == t) return l->pairs[p].a.t[RG_SLOT_GRAD];
         if (l->pairs[p].b.t[RG_SLOT_PARAM] == t) return l->pairs[p].b.t[RG_SLOT_GRAD];
@@ -228,7 +181,9 @@ static struct ggml_tensor * grad_of_param(const rg_lora * l, const struct ggml_t
     return NULL;
 }
 
-static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, bool train, bool noise, rg_built * o) {
+static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, int kind, bool noise, bool dropout,
+                       rg_built * o) {
+    const bool train = kind != RG_BUILD_FORWARD;
     const double t0 = rg_now_ms();
     memset(o, 0, sizeof(*o));
     struct ggml_init_params ip = { e->ctx_mem_size, e->ctx_mem, true };
@@ -242,6 +197,7 @@ static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, bool tra
     o->b.exact_ops = e->exact_ops;
     o->b.matmul_mode = e->matmul_mode;
     o->b.embed_noise = noise;
+    o->b.dropout = dropout;
     if (!rg_build_trunk(&o->b)) {
         ggml_free(o->ctx);
         return rg_fail(RG_ERR_COMPUTE, "%s", o->b.error);
@@ -261,6 +217,16 @@ static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, bool tra
     struct ggml_tensor * loss = ggml_sum(o->ctx, ggml_mul(o->ctx, hidden, o->grad_hidden));
     ggml_set_name(loss, "surrogate_loss");
     ggml_set_loss(loss);
+    if (kind == RG_BUILD_TRAIN_FORWARD) {
+        /* the head runs at the hidden state as in training (the eval callback); the layers' inputs
+         * stay for the backward pass, which recomputes each layer from its input */
+        for (int il = 0; il < e->model->hp.n_layer; il++) ggml_set_output(o->b.layer_in[il]);
+        struct ggml_cgraph * gf = ggml_new_graph_custom(o->ctx, e->graph_size, false);
+        ggml_build_forward_expand(gf, loss);
+        o->gf = rg_graph_rewrite(&o->b, gf, e->graph_size);
+        e->timings.build_ms += rg_now_ms() - t0;
+        return RG_OK;
+    }
     struct ggml_cgraph * gf = ggml_new_graph_custom(o->ctx, e->graph_size, true);
     ggml_build_forward_expand(gf, loss);
     const int n_fwd = ggml_graph_n_nodes(gf);
@@ -273,7 +239,7 @@ static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, bool tra
     for (int i = 0; i < n_fwd; i++) {
         struct ggml_tensor * node = ggml_graph_node(gf, i);
         if (node->flags & GGML_TENSOR_FLAG_PARAM) {
-            accs[i] = grad_of_param(lora, node);
+            accs[i] = rg_engine_grad_of_param(lora, node);
             n_params += accs[i] != NULL;
         }
     }
@@ -306,6 +272,11 @@ static rg_status alloc_and_set_inputs(rg_engine * e, rg_built * o, const rg_batc
     ggml_backend_tensor_set(o->b.inp_tokens, batch->tokens, 0, sizeof(int32_t) * (size_t) T);
     ggml_backend_tensor_set(o->b.inp_pos, batch->positions, 0, sizeof(int32_t) * (size_t) T);
     if (o->b.inp_embd_noise) ggml_backend_tensor_set(o->b.inp_embd_noise, batch->embed_noise, 0, ggml_nbytes(o->b.inp_embd_noise));
+    if (o->b.inp_dropout && o->b.inp_dropout->buffer) {
+        int32_t params[4];
+        rg_dropout_params(batch, params);
+        ggml_backend_tensor_set(o->b.inp_dropout, params, 0, sizeof(params));
+    }
     rg_fill_masks(&e->model->hp, batch, mask, mask_swa);
     /* a mask no layer uses (all layers local, or all global) is not allocated */
     if (o->b.inp_mask->buffer) ggml_backend_tensor_set(o->b.inp_mask, mask, 0, ggml_nbytes(o->b.inp_mask));
@@ -333,14 +304,7 @@ static float * hidden_to_host(struct ggml_tensor * hidden, float ** owned) {
 }
 
 /* ---- one micro-batch's graph ---------------------------------------------------------------- */
-/* A checked, padded batch with its graph built and allocated and its inputs set. */
-typedef struct {
-    rg_padded pb;
-    rg_built  o;
-    int32_t   n_real;     /* rows before padding */
-} rg_prepared;
-
-static void release(rg_engine * e, rg_prepared * p) {
+void rg_engine_release(rg_engine * e, rg_prepared * p) {
     ggml_backend_sched_reset(e->sched);
     ggml_free(p->o.ctx);
     free(p->pb.owned);
@@ -348,17 +312,17 @@ static void release(rg_engine * e, rg_prepared * p) {
 }
 
 /* On failure nothing is left to release. */
-static rg_status prepare(rg_engine * e, rg_lora * lora, const rg_batch * batch, bool train, rg_prepared * p) {
+rg_status rg_engine_prepare(rg_engine * e, rg_lora * lora, const rg_batch * batch, int kind, rg_prepared * p) {
     rg_status st = check_batch(e->model, batch);
     if (st) return st;
     p->n_real = batch->n_tokens;
     if ((st = pad_batch(batch, e->model->hp.n_embd, &p->pb))) return st;
-    if ((st = build(e, lora, p->pb.b.n_tokens, train, batch->embed_noise != NULL, &p->o))) {
+    if ((st = build(e, lora, p->pb.b.n_tokens, kind, batch->embed_noise != NULL, batch->lora_dropout > 0.0f, &p->o))) {
         free(p->pb.owned);
         free(p->pb.owned_noise);
         return st;
     }
-    if ((st = alloc_and_set_inputs(e, &p->o, &p->pb.b))) release(e, p);
+    if ((st = alloc_and_set_inputs(e, &p->o, &p->pb.b))) rg_engine_release(e, p);
     return st;
 }
 
@@ -368,7 +332,7 @@ static rg_status forward_impl(rg_engine * e, rg_lora * lora, const rg_batch * ba
                               float * entropy_out, float * hidden_out, int topk, int32_t * topk_ids,
                               float * topk_logp) {
     rg_prepared p;
-    rg_status st = prepare(e, lora, batch, false, &p);
+    rg_status st = rg_engine_prepare(e, lora, batch, RG_BUILD_FORWARD, &p);
     if (st) return st;
     batch = &p.pb.b;
     const rg_built * o = &p.o;
@@ -386,7 +350,7 @@ static rg_status forward_impl(rg_engine * e, rg_lora * lora, const rg_batch * ba
     if (st == RG_OK && hidden_out) {
         ggml_backend_tensor_get(o->b.hidden, hidden_out, 0, (size_t) p.n_real * o->b.hidden->nb[1]);
     }
-    release(e, &p);
+    rg_engine_release(e, &p);
     return st;
 }
 
@@ -402,7 +366,7 @@ rg_status rg_engine_topk(rg_engine * e, rg_lora * lora, const rg_batch * batch, 
 }
 
 /* ---- training micro-batch --------------------------------------------------------------------- */
-static bool on_node(struct ggml_tensor * t, bool ask, void * user) {
+bool rg_engine_on_node(struct ggml_tensor * t, bool ask, void * user) {
     rg_run * r = user;
     rg_engine * pe = r->e;
     if (ask) return pe->profiling || t == r->hidden;
@@ -472,8 +436,9 @@ rg_status rg_engine_accumulate(rg_engine * e, rg_lora * lora, const rg_batch * b
                                float * logp_out) {
     if (!lora) return rg_fail(RG_ERR_ARG, "training needs a LoRA adapter");
     if (lora->model != e->model) return rg_fail(RG_ERR_ARG, "the LoRA adapter belongs to another model");
+    if (e->recompute) return rg_engine_accumulate_recompute(e, lora, batch, fn, user, want_entropy, want_hidden, logp_out);
     rg_prepared p;
-    rg_status st = prepare(e, lora, batch, true, &p);
+    rg_status st = rg_engine_prepare(e, lora, batch, RG_BUILD_TRAIN, &p);
     if (st) return st;
     batch = &p.pb.b;
     const rg_built * o = &p.o;
@@ -484,7 +449,7 @@ rg_status rg_engine_accumulate(rg_engine * e, rg_lora * lora, const rg_batch * b
     };
     r.t_start = rg_now_ms();
     e->prof_last = r.t_start;
-    ggml_backend_sched_set_eval_callback(e->sched, on_node, &r);
+    ggml_backend_sched_set_eval_callback(e->sched, rg_engine_on_node, &r);
     const enum ggml_status gs = ggml_backend_sched_graph_compute(e->sched, o->gf);
     ggml_backend_sched_set_eval_callback(e->sched, NULL, NULL);
     const double t1 = rg_now_ms();
@@ -496,7 +461,7 @@ rg_status rg_engine_accumulate(rg_engine * e, rg_lora * lora, const rg_batch * b
     } else if (r.t_hidden == 0) {
         st = rg_fail(RG_ERR_COMPUTE, "the scheduler never reached the hidden state");
     }
-    release(e, &p);
+    rg_engine_release(e, &p);
     return st;
 }
 
@@ -604,7 +569,7 @@ rg_status rg_engine_preflight(rg_engine * e, rg_lora * lora, int32_t n_tokens, i
     e->pre_n = 0;
     if (n_tokens <= 0) return rg_fail(RG_ERR_ARG, "preflight needs a positive token count");
     rg_built o;
-    rg_status st = build(e, lora, n_tokens, lora != NULL, false, &o);
+    rg_status st = build(e, lora, n_tokens, lora != NULL ? RG_BUILD_TRAIN : RG_BUILD_FORWARD, false, false, &o);
     if (st) return st;
     int counts[RG_OP_KEYS] = {0};
     const char * names[RG_OP_KEYS] = {0};

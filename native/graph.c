@@ -51,7 +51,12 @@ static struct ggml_tensor * linear(rg_graph_build * b, int il, int t, struct ggm
     }
     if (b->lora && b->lora->pair_index[il][t] >= 0) {
         const rg_lora_pair * pr = &b->lora->pairs[b->lora->pair_index[il][t]];
-        struct ggml_tensor * ax = named(ggml_mul_mat(ctx, pr->a.t[RG_SLOT_PARAM], x), "lora_ax", il);
+        struct ggml_tensor * xa = x;
+        if (b->inp_dropout) {     /* dropout on the adapter's input only; the base product sees x */
+            xa = ggml_mul(ctx, x, named(rg_dropout_mask(ctx, b->inp_dropout, x->ne[0], x->ne[1], il, t), "lora_mask", il));
+            CHECK_SHAPE(b, xa, x->ne[0], x->ne[1], 1, "lora dropout");
+        }
+        struct ggml_tensor * ax = named(ggml_mul_mat(ctx, pr->a.t[RG_SLOT_PARAM], xa), "lora_ax", il);
         if (b->matmul_mode == RG_MATMUL_NATIVE) {
             /* llama.cpp's order, for bit-equal log-probs */
             y = ggml_add(ctx, y, ggml_scale(ctx, ggml_mul_mat(ctx, pr->b.t[RG_SLOT_PARAM], ax), b->lora->scale));
@@ -157,16 +162,13 @@ bool rg_use_f16_matmul(enum ggml_type type, int mode) {
     return type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q4_0;
 }
 
-bool rg_build_trunk(rg_graph_build * b) {
+/* the inputs every layer reads: positions, attention masks, LoRA dropout's seed */
+void rg_build_layer_inputs(rg_graph_build * b) {
     struct ggml_context * ctx = b->ctx;
-    rg_model * m = b->model;
-    const rg_hparams * hp = &m->hp;
+    const rg_hparams * hp = &b->model->hp;
     const int T = b->n_tokens;
-
-    b->inp_tokens = named(ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T), "inp_tokens", -1);
     b->inp_pos = named(ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T), "inp_pos", -1);
     b->inp_mask = named(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, T, T), "inp_mask", -1);
-    ggml_set_input(b->inp_tokens);
     ggml_set_input(b->inp_pos);
     ggml_set_input(b->inp_mask);
     b->inp_mask_swa = NULL;
@@ -174,6 +176,48 @@ bool rg_build_trunk(rg_graph_build * b) {
         b->inp_mask_swa = named(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, T, T), "inp_mask_swa", -1);
         ggml_set_input(b->inp_mask_swa);
     }
+    b->inp_dropout = NULL;
+    if (b->dropout && b->lora) {
+        b->inp_dropout = named(ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 4), "inp_dropout", -1);
+        ggml_set_input(b->inp_dropout);
+    }
+}
+
+struct ggml_tensor * rg_build_layer(rg_graph_build * b, int il, struct ggml_tensor * x) {
+    struct ggml_context * ctx = b->ctx;
+    const rg_hparams * hp = &b->model->hp;
+    const rg_layer * L = &b->model->layers[il];
+    struct ggml_tensor * h = rms_norm(b, x, L->attn_norm);
+    struct ggml_tensor * a = attention(b, il, named(h, "attn_norm", il));
+    if (!a) return NULL;
+    if (L->attn_post_norm) a = named(rms_norm(b, a, L->attn_post_norm), "attn_post_norm", il);
+    x = named(ggml_add(ctx, a, x), "attn_out", il);
+
+    h = rms_norm(b, x, L->ffn_norm);
+    struct ggml_tensor * f = ffn(b, il, named(h, "ffn_norm", il));
+    if (!f) return NULL;
+    if (L->ffn_post_norm) f = rms_norm(b, f, L->ffn_post_norm);
+    x = named(ggml_add(ctx, f, x), "l_out", il);
+    if (x->ne[0] != hp->n_embd || x->ne[1] != b->n_tokens) {
+        snprintf(b->error, sizeof(b->error), "internal shape error at layer %d output", il);
+        return NULL;
+    }
+    return x;
+}
+
+struct ggml_tensor * rg_build_final_norm(rg_graph_build * b, struct ggml_tensor * x) {
+    return named(rms_norm(b, x, b->model->output_norm), "result_norm", -1);
+}
+
+bool rg_build_trunk(rg_graph_build * b) {
+    struct ggml_context * ctx = b->ctx;
+    rg_model * m = b->model;
+    const rg_hparams * hp = &m->hp;
+    const int T = b->n_tokens;
+
+    b->inp_tokens = named(ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T), "inp_tokens", -1);
+    ggml_set_input(b->inp_tokens);
+    rg_build_layer_inputs(b);
 
     struct ggml_tensor * x = ggml_get_rows(ctx, m->tok_embd, b->inp_tokens);
     b->inp_embd_noise = NULL;
@@ -186,24 +230,11 @@ bool rg_build_trunk(rg_graph_build * b) {
     named(x, "inp_embd", -1);
 
     for (int il = 0; il < hp->n_layer; il++) {
-        const rg_layer * L = &m->layers[il];
-        struct ggml_tensor * h = rms_norm(b, x, L->attn_norm);
-        struct ggml_tensor * a = attention(b, il, named(h, "attn_norm", il));
-        if (!a) return false;
-        if (L->attn_post_norm) a = named(rms_norm(b, a, L->attn_post_norm), "attn_post_norm", il);
-        x = named(ggml_add(ctx, a, x), "attn_out", il);
-
-        h = rms_norm(b, x, L->ffn_norm);
-        struct ggml_tensor * f = ffn(b, il, named(h, "ffn_norm", il));
-        if (!f) return false;
-        if (L->ffn_post_norm) f = rms_norm(b, f, L->ffn_post_norm);
-        x = named(ggml_add(ctx, f, x), "l_out", il);
-        if (x->ne[0] != hp->n_embd || x->ne[1] != T) {
-            snprintf(b->error, sizeof(b->error), "internal shape error at layer %d output", il);
-            return false;
-        }
+        b->layer_in[il] = x;
+        if (!(x = rg_build_layer(b, il, x))) return false;
     }
-    b->hidden = named(rms_norm(b, x, m->output_norm), "result_norm", -1);
+    b->layer_in[hp->n_layer] = x;
+    b->hidden = rg_build_final_norm(b, x);
     return true;
 }
 

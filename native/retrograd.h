@@ -146,6 +146,10 @@ typedef struct {
     const int32_t * target_ids;
     const float   * embed_noise;  /* may be NULL: [n_tokens][n_embd], added to the token embeddings
                                    * before any embedding scale (NEFTune) */
+    float           lora_dropout; /* 0: none; in [0, 1): each LoRA input element is zeroed with this
+                                   * probability and the rest scaled by 1 / (1 - p), a mask per layer
+                                   * and target drawn from dropout_seed (the same seed, the same mask) */
+    uint64_t        dropout_seed;
 } rg_batch;
 
 /* ---- engine ------------------------------------------------------------------------------- */
@@ -177,6 +181,10 @@ void      rg_engine_free(rg_engine * engine);
  * ~1e-3 relative on GELU models, but the forward is the exact function the gradient is of,
  * which finite-difference tests need. Default 0. */
 void      rg_engine_set_exact_ops(rg_engine * engine, int on);
+/* Activation checkpointing: accumulate keeps only each layer's input from the forward pass and
+ * recomputes the layer in the backward (memory grows with one layer's activations, not all of
+ * them; a second forward pass's time). Off by default. */
+void      rg_engine_set_recompute(rg_engine * engine, int on);
 /* How base-weight matmuls are computed: RG_MATMUL_AUTO (default) dequantizes to F16 on the fly
  * for the types whose native CPU kernels are slower than that at training batch sizes (Q4_1,
  * Q5_x, K-quants) and keeps the native kernel otherwise; RG_MATMUL_NATIVE always uses ggml's

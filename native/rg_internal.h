@@ -101,7 +101,10 @@ typedef struct {
     struct ggml_tensor * inp_mask_swa;/* F32 [T, T] additionally windowed, NULL when unused */
     struct ggml_tensor * inp_embd_noise; /* F32 [n_embd, T] added to the embeddings, NULL when unused */
     bool                 embed_noise; /* build with inp_embd_noise */
+    bool                 dropout;     /* build with LoRA dropout masks (inp_dropout) */
+    struct ggml_tensor * inp_dropout; /* I32 [4] seed and probability of the masks, NULL when unused */
     struct ggml_tensor * hidden;      /* F32 [n_embd, T] after the final norm */
+    struct ggml_tensor * layer_in[RG_MAX_LAYERS + 1]; /* each layer's input; [n_layer]: the final norm's */
     bool                 train;       /* build for autodiff (composite ops with a backward) */
     bool                 exact_ops;   /* ggml's own ops only: no fused substitutes, no outer.c kernels */
     int                  matmul_mode; /* RG_MATMUL_* */
@@ -114,8 +117,20 @@ typedef struct {
     char                 error[256];
 } rg_graph_build;
 
+/* LoRA dropout (dropout.c): the mask of one layer's target, [ne0, ne1], drawn from `params`
+ * (an I32 [4] input that rg_dropout_params fills from the batch) */
+struct ggml_tensor * rg_dropout_mask(struct ggml_context * ctx, struct ggml_tensor * params, int64_t ne0,
+                                     int64_t ne1, int layer, int target);
+void rg_dropout_params(const rg_batch * batch, int32_t out[4]);
+
 /* Builds the trunk up to the final normed hidden state; returns false with b->error set. */
 bool rg_build_trunk(rg_graph_build * b);
+/* The pieces of the trunk, for graphs of one layer (activation checkpointing, recompute.c):
+ * the inputs a layer reads (positions, masks, dropout), one layer (NULL with b->error set), the
+ * final norm. */
+void rg_build_layer_inputs(rg_graph_build * b);
+struct ggml_tensor * rg_build_layer(rg_graph_build * b, int il, struct ggml_tensor * x);
+struct ggml_tensor * rg_build_final_norm(rg_graph_build * b, struct ggml_tensor * x);
 /* Fill the causal/packing (and sliding-window) masks for a batch. */
 void rg_fill_masks(const rg_hparams * hp, const rg_batch * batch, float * mask, float * mask_swa);
 

@@ -28,6 +28,8 @@ class Batch:
     target_ids: np.ndarray
     prefix_ids: np.ndarray | None = None   # per row: another sequence whose rows it also sees
     embed_noise: np.ndarray | None = None  # [n_tokens, n_embd] added to the token embeddings (NEFTune)
+    lora_dropout: float = 0.0              # LoRA dropout probability for this batch (training batches only)
+    dropout_seed: int = 0                  # the masks' seed: the same seed draws the same masks
 
     def __post_init__(self) -> None:
         for f in ("tokens", "positions", "seq_ids", "target_rows", "target_ids"):
@@ -86,3 +88,44 @@ class LossOutputs:
 
 
 CoeffFn = Callable[[LossInputs], LossOutputs]
+
+
+class Tally:
+    """The metrics of one optimizer step, gathered over its micro-batches: sums (a loss already
+    divided by the step's normaliser adds up to the step's loss) and weighted means (a per-token
+    statistic: the total over the micro-batch's tokens and how many there were). `keep` holds
+    values a loss hands back to its recipe (StepWork.on_kept). Tallies of the parts of a step
+    computed in different processes merge into the step's."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weighted: dict[str, list[float]] = {}
+        self.kept: dict = {}
+
+    def add(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + float(value)
+
+    def mean(self, key: str, total: float, count: float) -> None:
+        acc = self.weighted.setdefault(key, [0.0, 0.0])
+        acc[0] += float(total)
+        acc[1] += float(count)
+
+    def keep(self, key, value) -> None:
+        self.kept[key] = value
+
+    def state(self) -> tuple[dict, dict, dict]:
+        return self.sums, self.weighted, self.kept
+
+    def merge(self, state: tuple[dict, dict, dict]) -> None:
+        sums, weighted, kept = state
+        for k, v in sums.items():
+            self.add(k, v)
+        for k, (total, count) in weighted.items():
+            self.mean(k, total, count)
+        self.kept.update(kept)
+
+    def result(self) -> dict[str, float]:
+        out = dict(self.sums)
+        for k, (total, count) in self.weighted.items():
+            out[k] = total / count if count else 0.0
+        return out

@@ -31,6 +31,7 @@ from retrograd.sections import (  # noqa: F401 - the sections are part of the co
     CheckpointSection,
     DataSection,
     DistillSection,
+    DistributedSection,
     EndpointSection,
     EvaluationSection,
     GrpoSection,
@@ -61,6 +62,7 @@ class Config:
     preference: PreferenceSection = field(default_factory=PreferenceSection)
     agent: AgentSection = field(default_factory=AgentSection)
     serving: ServingSection = field(default_factory=ServingSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
     source: Path | None = None      # the TOML file, when there is one
     base_dir: Path | None = None    # where relative paths resolve, when not the file's directory
 

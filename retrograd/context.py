@@ -6,8 +6,10 @@ is built from one, and `open_model` is the one place that assembles it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from retrograd.config import Config, ConfigError
 from retrograd.data import chat as chat_mod
@@ -29,6 +31,10 @@ class RunContext:
     train_examples: list[Example] = field(default_factory=list)
     eval_examples: list[Example] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # set by the trainer with [distributed]: the workers (retrograd.distributed.Cluster) and what
+    # makes the recipes' generators (a Generator's signature; None: llama.cpp in this process)
+    cluster: Any = None
+    generators: Callable[..., Any] | None = None
 
     def require_train_data(self) -> Path:
         """[data].train, or the same configuration error for every algorithm that needs it."""
@@ -42,6 +48,7 @@ def open_model(cfg: Config, *, need_data: bool = True) -> RunContext:
     model_path = resolve_model(cfg)
     spec = LoraSpec(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.targets), cfg.lora.scaling)
     trainable = Trainable(model_path, spec, device=cfg.model.device, threads=resolve_threads(cfg), seed=cfg.run.seed)
+    trainable.engine.set_recompute(cfg.training.activation_checkpointing)
     if cfg.lora.init_adapter:
         trainable.load_adapter(Path(cfg.lora.init_adapter), reference=True)
     tok = tok_mod.load(str(model_path))
@@ -49,6 +56,9 @@ def open_model(cfg: Config, *, need_data: bool = True) -> RunContext:
     ctx = RunContext(cfg, run_dir(cfg), trainable, tok, chat)
     if chat.origin.startswith("fallback"):
         ctx.notes.append(f"{model_path.name} has no chat template; using the built-in {chat.origin[9:]} format")
+    if cfg.lora.dropout > 0 and cfg.run.algorithm not in ("sft", "distill"):
+        ctx.notes.append(f"[lora].dropout applies to sft and distill; {cfg.run.algorithm} trains without it (its "
+                         "log-prob ratios must compare one network with itself, as TRL's default)")
     if need_data and cfg.run.algorithm in ("sft", "distill"):   # the others read prompts or pairs themselves
         load_data(ctx)
     return ctx

@@ -297,6 +297,8 @@ def _c_batch(b: Batch, n_embd: int):
         if b.embed_noise.shape != (b.n_tokens, n_embd):
             raise ValueError(f"embed_noise has shape {b.embed_noise.shape}, expected ({b.n_tokens}, {n_embd})")
         c.embed_noise = _ptr(b.embed_noise, "float *")
+    c.lora_dropout = b.lora_dropout
+    c.dropout_seed = int(b.dropout_seed) & 0xFFFFFFFFFFFFFFFF
     return c
 
 
@@ -400,6 +402,10 @@ class Engine(_Handle):
     def set_exact_ops(self, on: bool) -> None:
         """Exact composite ops everywhere (for finite-difference checks); see retrograd.h."""
         lib.rg_engine_set_exact_ops(self._ptr, int(on))
+
+    def set_recompute(self, on: bool) -> None:
+        """Activation checkpointing: each layer recomputed in the backward from its saved input."""
+        lib.rg_engine_set_recompute(self._ptr, int(on))
 
     def forward(self, lora: Lora | None, batch: Batch, entropy: bool = False,
                 hidden: bool = False) -> LossInputs:

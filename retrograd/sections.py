@@ -38,7 +38,8 @@ class LoraSection:
                        min=0.0)
     scaling: str = opt("standard", "standard (alpha / rank) or rslora (alpha / sqrt(rank)); the exported adapter "
                                    "carries the effective alpha", choices=("standard", "rslora"))
-    dropout: float = opt(0.0, "LoRA dropout (only 0.0 is supported in this version)", min=0.0, max=0.0)
+    dropout: float = opt(0.0, "LoRA dropout on the adapter's input while training (sft and distill; 0: off)",
+                         min=0.0, max=0.9)
     targets: list = opt(list(TARGETS), "projections that get an adapter: q k v o gate up down")
     init_adapter: Path | None = opt(None, "start from this llama.cpp LoRA GGUF", path=True)
 
@@ -83,6 +84,9 @@ class TrainingSection:
                                     "the paper uses 5)", min=0.0)
     lora_plus_ratio: float = opt(1.0, "LoRA+: the B matrices learn at learning_rate x this (1: plain LoRA; "
                                       "the LoRA+ paper suggests 16)", min=0.0)
+    activation_checkpointing: bool = opt(False, "recompute each layer's activations in the backward from its saved "
+                                                "input: memory grows with one layer's activations, not all of them, "
+                                                "for a second forward pass's time (long sequences)")
     threads: int = opt(0, "CPU threads (0: all cores; RETRO_THREADS overrides)", min=0)
     require_gpu_resident: bool = opt(False, "fail if any op of the training graph would run on the CPU")
     log_every: int = opt(1, "print a progress line every N steps when stderr is not a terminal "
@@ -227,3 +231,18 @@ class ServingSection:
     device_wait_seconds: int = opt(0, "how long a load may wait for a device a run holds (0: refuse)", min=0)
     queue: int = opt(8, "requests waiting beyond this get HTTP 429", min=1)
     max_body_bytes: int = opt(4 << 20, "largest request body accepted (HTTP 413 beyond)", min=1024)
+
+
+@dataclass
+class DistributedSection:
+    backend: str = opt("none", "none (one process) or ray (data-parallel gradients and rollouts on Ray workers)",
+                       choices=("none", "ray"))
+    address: str = opt("local", "local (a private Ray instance on this machine), auto (the cluster `ray start` "
+                                "runs here) or a cluster address such as 10.0.0.5:6379")
+    workers: int = opt(2, "worker processes; each holds the model (mmap) and a replica of the adapter", min=1,
+                       max=1024)
+    threads_per_worker: int = opt(1, "CPU threads of each worker (also the CPUs it reserves in Ray)", min=1)
+    rollouts: bool = opt(True, "grpo, ppo, agent_grpo: sample the step's groups on the workers")
+    check_every: int = opt(10, "compare the replicas' adapter and optimizer state with a hash every N steps "
+                               "(0: never)", min=0)
+    max_restarts: int = opt(3, "workers replaced after they die, per run; then the survivors carry on", min=0)

@@ -15,9 +15,11 @@ import numpy as np
 from retrograd import checkpoint as ckpt
 from retrograd import native
 from retrograd.algorithms import recipe_for
-from retrograd.algorithms.base import StepWork, Tally
+from retrograd.algorithms.base import StepWork
+from retrograd.batch import Tally
 from retrograd.config import Config, best_metric
 from retrograd.context import RunContext, preflight_check
+from retrograd.distributed import workers_for
 from retrograd.errors import RetrogradError
 from retrograd.fsutil import atomic_write
 from retrograd.logs import log
@@ -102,18 +104,26 @@ class Trainer:
         skipped and the adapter untouched), the reason."""
         tr, t = self.ctx.trainable, self.cfg.training
         tally = Tally()
+        hp = {"lr": lr, "step": self.global_step + 1, "beta1": t.beta1, "beta2": t.beta2, "eps": t.eps,
+              "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "lr_b_ratio": t.lora_plus_ratio}
+        cluster = self.ctx.cluster if getattr(self.recipe, "distributed_gradients", True) else None
         try:
-            for mb in work.micro:
-                tr.accumulate(mb.batch, lambda inp, mb=mb: mb.loss(inp, tally),
-                              entropy=mb.want_entropy, hidden=mb.want_hidden)
-            gnorm = tr.optimizer_step(lr=lr, step=self.global_step + 1, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
-                                      weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                                      lr_b_ratio=t.lora_plus_ratio)
+            if cluster is not None:       # the workers compute, this process sums and steps
+                gnorm = cluster.train_step(work.micro, tally, hp)
+            else:
+                for mb in work.micro:
+                    tr.accumulate(mb.batch, lambda inp, mb=mb: mb.loss(inp, tally),
+                                  entropy=mb.want_entropy, hidden=mb.want_hidden)
+                gnorm = tr.optimizer_step(**hp)
         except native.NativeError as exc:
             if exc.status != native.STATUS_NONFINITE:
                 raise
             tr.lora.zero(native.SLOT_GRAD)
             return float("nan"), tally.result(), str(exc)
+        if self.ctx.cluster is not None:
+            work.info.update(self.ctx.cluster.step_timings())
+        if work.on_kept:
+            work.on_kept(tally.kept)
         if work.after_update:
             work.after_update()
         return gnorm, tally.result(), None
@@ -186,12 +196,13 @@ def train(ctx: RunContext, resume: Path | bool | None = None, on_step: StepCallb
     cfg = ctx.cfg
     ctx.out.mkdir(parents=True, exist_ok=True)
     atomic_write(ctx.out / "config.json", json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
-    trainer = Trainer(ctx)
-    trainer.on_step = on_step
-    try:
-        return _train(ctx, trainer, resume)
-    finally:
-        trainer.recipe.close()          # tool servers, teachers, generators
+    with workers_for(ctx):                  # [distributed]: Ray workers for the run's lifetime
+        trainer = Trainer(ctx)
+        trainer.on_step = on_step
+        try:
+            return _train(ctx, trainer, resume)
+        finally:
+            trainer.recipe.close()          # tool servers, teachers, generators
 
 
 def _train(ctx: RunContext, trainer: Trainer, resume: Path | bool | None) -> dict:
@@ -205,6 +216,8 @@ def _train(ctx: RunContext, trainer: Trainer, resume: Path | bool | None) -> dic
     progress = Progress(total, trainer.global_step, every=cfg.training.log_every)
     for note in ctx.notes:
         progress.note(note)
+    if ctx.cluster is not None:
+        ctx.cluster.note = progress.note      # worker deaths and replacements, as they happen
     preflight_check(ctx, progress.note)
     if resume:
         progress.note(f"resumed at step {trainer.global_step} from {state_dir}")

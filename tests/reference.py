@@ -49,16 +49,23 @@ class RefModel:
             w[t.name] = np.asarray(arr, dtype=np.float64).reshape(shape)
         return cls(arch, hp, w)
 
-    def set_lora(self, lora: dict[str, np.ndarray], scale: float) -> None:
-        """lora maps '<weight>.lora_a' / '.lora_b' to numpy arrays shaped (r, n_in) / (n_out, r)."""
+    def set_lora(self, lora: dict[str, np.ndarray], scale: float, dropout: tuple[float, int] | None = None) -> None:
+        """lora maps '<weight>.lora_a' / '.lora_b' to numpy arrays shaped (r, n_in) / (n_out, r);
+        dropout = (p, seed) applies LoRA dropout's masks (dropout_mask) to the adapter's inputs."""
         self.lora = lora
         self.lora_scale = scale
+        self.dropout = dropout
 
     def _lin(self, name: str, x: np.ndarray) -> np.ndarray:
         y = x @ self.w[name].T
         lora = getattr(self, "lora", None)
         if lora and name + ".lora_a" in lora:
-            y = y + self.lora_scale * ((x @ lora[name + ".lora_a"].T) @ lora[name + ".lora_b"].T)
+            xa = x
+            if getattr(self, "dropout", None):
+                _, layer, kind, _ = name.split(".")
+                p, seed = self.dropout
+                xa = x * dropout_mask(seed, p, int(layer), TARGET_OF[kind], *x.shape)
+            y = y + self.lora_scale * ((xa @ lora[name + ".lora_a"].T) @ lora[name + ".lora_b"].T)
         b = name.replace(".weight", ".bias")
         if b in self.w:
             y = y + self.w[b]
@@ -144,3 +151,29 @@ class RefModel:
         z = z - z.max(-1, keepdims=True)
         lp = z - np.log(np.exp(z).sum(-1, keepdims=True))
         return lp[np.arange(len(tokens) - 1), tokens[1:]]
+
+
+# ---- LoRA dropout's masks: the numpy twin of native/dropout.c ----------------------------------
+TARGET_OF = {"attn_q": 0, "attn_k": 1, "attn_v": 2, "attn_output": 3, "ffn_gate": 4, "ffn_up": 5, "ffn_down": 6}
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = z + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def dropout_mask(seed: int, p: float, layer: int, target: int, n_rows: int, n_in: int) -> np.ndarray:
+    """[n_rows, n_in] float32: element (row j, feature i) has index j * n_in + i; it is kept (as
+    1 / (1 - p)) when the top 24 bits of splitmix64(base ^ index), over 2^24, are >= p, where
+    base = splitmix64(seed + id * golden) and id = layer * 7 + target + 1."""
+    ident = np.uint64(layer * 7 + target + 1)
+    with np.errstate(over="ignore"):
+        base = _splitmix64(np.array([np.uint64(seed) + ident * _GOLDEN], np.uint64))[0]
+    k = np.arange(n_rows * n_in, dtype=np.uint64)
+    u = (_splitmix64(base ^ k) >> np.uint64(40)).astype(np.float32) * np.float32(1.0 / 16777216.0)
+    keep = np.float32(1.0) / (np.float32(1.0) - np.float32(p))
+    return np.where(u >= np.float32(p), keep, np.float32(0.0)).astype(np.float32).reshape(n_rows, n_in)

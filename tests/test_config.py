@@ -36,7 +36,7 @@ def test_defaults_and_relative_paths(tmp_path):
     ('[lora]\ntargets = ["q", "x"]\n', "[lora].targets: expected some of"),
     ('[run]\nalgorithm = "dpo"\n', "[run].algorithm: expected one of"),
     ("[training\n", "not valid TOML"),
-    ("[lora]\ndropout = 0.1\n", "[lora].dropout: must be <= 0.0"),
+    ("[lora]\ndropout = 0.95\n", "[lora].dropout: must be <= 0.9"),
 ])
 def test_errors_name_file_and_key(tmp_path, text, message):
     p = write(tmp_path, text)

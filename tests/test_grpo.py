@@ -170,10 +170,8 @@ def test_retrograd_profile_reports_every_phase(tiny, tmp_path):
         assert rep["median"][phase] >= 0, phase
     assert rep["median"]["total"] > 0 and rep["median"]["mem forward+head+backward"] > 0
     assert not (tmp_path / "runs").exists()           # a throw-away run directory
-    sft = tmp_path / "sft.toml"
-    sft.write_text('[run]\nalgorithm = "sft"\n')
-    out = subprocess.run([sys.executable, "-m", "retrograd.commands.profile", str(sft)], capture_output=True, text=True)
-    assert out.returncode == 2 and "runs grpo workloads" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "retrograd.commands.profile"], capture_output=True, text=True)
+    assert out.returncode == 2 and "give a run configuration" in out.stderr
 
 
 def test_retrograd_profile_sft_reports_ops_kinds_and_flops(tiny, tmp_path):
@@ -194,7 +192,7 @@ def test_retrograd_profile_sft_reports_ops_kinds_and_flops(tiny, tmp_path):
                           capture_output=True, text=True)
     assert text.returncode == 0 and "by kind:" in text.stdout and "LM head" in text.stdout, text.stderr
     for argv, msg in ((["--sft", str(tmp_path / "x.toml")], "takes no configuration"),
-                      ([], "give a grpo or agent_grpo configuration, or --sft"),
+                      ([], "give a run configuration (e.g. grpo or agent_grpo), or --sft"),
                       (["--sft", "--model", str(tmp_path / "none.gguf")], "no such file")):
         bad = subprocess.run([sys.executable, "-m", "retrograd.commands.profile", *argv], capture_output=True, text=True)
         assert bad.returncode == 2 and msg in bad.stderr, (argv, bad.stderr)

@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("native",),
     ("adapter", "engine", "checkpoint", "teacher", "context"),      # the trainable model and its files
     ("generation",),                                                # llama.cpp
+    ("distributed",),                                               # Ray workers: replicas, remote sampling
     ("rewards", "losses"),                                          # pure functions over text and log-probs
     ("eval",),                                                      # measurements
     ("agent",),                                                     # tools, scenarios, multi-turn rollouts

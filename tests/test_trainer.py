@@ -166,3 +166,35 @@ def test_neftune_noise_scale_and_exact_resume(tiny, tmp_path):
     assert (tmp_path / "plain" / "runs" / "t" / "adapter.gguf").read_bytes() != whole     # the noise trains differently
     train(open_model(cfg), resume=run / "checkpoints" / "step-2.state")
     assert (run / "adapter.gguf").read_bytes() == whole                                   # and resumes exactly
+
+
+def test_lora_dropout_trains_resumes_exactly_and_stays_out_of_evaluation(tiny, tmp_path):
+    from retrograd.eval.nll import evaluate_nll
+
+    (tmp_path / "drop").mkdir()
+    (tmp_path / "plain").mkdir()
+    model = tiny("llama")
+    cfg = load(make_run(tmp_path / "drop", model, steps=4, every=2))
+    cfg.lora.dropout = 0.2
+    ctx = open_model(cfg)
+    summary = train(ctx)
+    run = tmp_path / "drop" / "runs" / "t"
+    whole = (run / "adapter.gguf").read_bytes()
+    train(open_model(load(make_run(tmp_path / "plain", model, steps=4, every=2))))
+    assert (tmp_path / "plain" / "runs" / "t" / "adapter.gguf").read_bytes() != whole     # the masks train differently
+    # the final evaluation sees the adapter without dropout: a fresh model with the exported adapter agrees
+    fresh = open_model(load(make_run(tmp_path / "drop", model, steps=4, every=2)))
+    fresh.trainable.load_adapter(run / "adapter.gguf")
+    again = evaluate_nll(fresh.trainable, fresh.eval_examples, cfg.training.micro_batch_tokens)
+    assert again["eval_loss"] == pytest.approx(summary["eval_loss"], rel=1e-6)
+    train(open_model(cfg), resume=run / "checkpoints" / "step-2.state")
+    assert (run / "adapter.gguf").read_bytes() == whole                                   # resumes exactly
+
+
+def test_lora_dropout_is_sft_and_distill_only(tiny, tmp_path):
+    from test_grpo import make_run as grpo_run
+
+    cfg = load(grpo_run(tmp_path, tiny("llama", n_layer=2), steps=1))
+    cfg.lora.dropout = 0.1
+    ctx = open_model(cfg)
+    assert any("[lora].dropout applies to sft and distill" in n for n in ctx.notes)

@@ -7,35 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from retrograd.batch import Batch, LossInputs, LossOutputs
+import numpy as np
+
+from retrograd.batch import Batch, LossInputs, LossOutputs, Tally  # noqa: F401 - Tally re-exported
 from retrograd.data.batching import ExampleStream
 
 if TYPE_CHECKING:
     pass
-
-
-class Tally:
-    """The metrics of one optimizer step, gathered over its micro-batches: sums (a loss already
-    divided by the step's normaliser adds up to the step's loss) and weighted means (a per-token
-    statistic: the total over the micro-batch's tokens and how many there were)."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.weighted: dict[str, list[float]] = {}
-
-    def add(self, key: str, value: float) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + float(value)
-
-    def mean(self, key: str, total: float, count: float) -> None:
-        acc = self.weighted.setdefault(key, [0.0, 0.0])
-        acc[0] += float(total)
-        acc[1] += float(count)
-
-    def result(self) -> dict[str, float]:
-        out = dict(self.sums)
-        for k, (total, count) in self.weighted.items():
-            out[k] = total / count if count else 0.0
-        return out
 
 
 @dataclass
@@ -59,6 +37,20 @@ class StepWork:
     n_tokens: int                                   # tokens processed (for throughput)
     info: dict = field(default_factory=dict)        # logged as is (rollout statistics, timings)
     after_update: Callable[[], None] | None = None  # runs once the adapter's update is applied
+    # receives what the losses kept (Tally.keep) once the step's gradients are in: a loss may run in
+    # another process (distributed training), so it hands values back instead of writing to the recipe
+    on_kept: Callable[[dict], None] | None = None
+
+
+def train_batch(batch: Batch, cfg, at: dict, i: int) -> Batch:
+    """A training micro-batch with [lora].dropout's probability and masks seeded by the run seed,
+    where the step starts in the data (`at`, the stream cursor) and the micro-batch index: a
+    resumed run draws the masks the uninterrupted one drew. Evaluation batches never get them."""
+    if cfg.lora.dropout > 0:
+        batch.lora_dropout = cfg.lora.dropout
+        batch.dropout_seed = int(np.random.SeedSequence([cfg.run.seed, *(int(v) for v in at.values()), i, 1])
+                                 .generate_state(1, np.uint64)[0])
+    return batch
 
 
 class Recipe(Protocol):

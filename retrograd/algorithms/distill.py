@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrograd.algorithms.base import MicroBatch, StepWork, Tally
+from retrograd.algorithms.base import MicroBatch, StepWork, Tally, train_batch
 from retrograd.algorithms.sft import SFT
 from retrograd.batch import LossInputs, LossOutputs
 from retrograd.context import RunContext
@@ -48,14 +48,15 @@ class Distill(SFT):
 
     def next_step(self) -> StepWork:
         t, dcfg, d = self.run.cfg.training, self.run.cfg.data, self.d
+        at = self.stream.cursor.to_dict()
         examples = take_step(self.stream, t)
         norm = float(sum(e.n_trained for e in examples))
         micro = []
-        for group in pack(examples, t.micro_batch_tokens, dcfg.packing):
+        for i, group in enumerate(pack(examples, t.micro_batch_tokens, dcfg.packing)):
             batch, _ = to_batch(group)
             ids, tlp = self.source.targets(group, batch)
             n, k = ids.shape
-            student = expand(batch, ids, d.ce_weight > 0)
+            student = train_batch(expand(batch, ids, d.ce_weight > 0), self.run.cfg, at, i)
 
             def loss(inp: LossInputs, tally: Tally, tlp=tlp, n=n, k=k) -> LossOutputs:
                 value, c, rows = topk_divergence(inp.logp[:n * k].reshape(n, k), tlp, d.divergence,

@@ -5,6 +5,7 @@ the base model (the adapter switched off, scored by our own graph)."""
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -113,12 +114,15 @@ class GRPO(RolloutRecipe):
             ref = self.run.trainable.reference_logprobs(batch).logp if g.beta > 0 else None
             sample = np.concatenate([ro.sample_logp[i] for i in offsets])
 
-            def loss(inp: LossInputs, tally: Tally, mi=mi, seq=seq, ref=ref, sample=sample) -> LossOutputs:
+            # the loss reads only what it is given (it may run in another process): the first pass's
+            # log-probs go back through tally.keep, not into the rollout
+            def loss(inp: LossInputs, tally: Tally, mi=mi, seq=seq, ref=ref, sample=sample, adv=ro.adv[seq],
+                     old=None if first else ro.old_logp[mi], pg=copy.copy(self.pg)) -> LossOutputs:
                 logp = inp.logp.astype(np.float64)
-                if first:
-                    ro.old_logp[mi] = logp.copy()
-                old = ro.old_logp[mi]
-                value, coeff, st = policy_loss(PGBatch(logp, old, ro.adv[seq], seq, ref), self.pg)
+                if old is None:
+                    old = logp.copy()
+                    tally.keep(mi, old)
+                value, coeff, st = policy_loss(PGBatch(logp, old, adv, seq, ref), pg)
                 n = len(logp)
                 tally.add("loss", value)
                 tally.mean("clip_frac", st["clip_frac"] * n, n)
@@ -135,7 +139,7 @@ class GRPO(RolloutRecipe):
         if g.beta > 0:
             info["ref_s"] = time.monotonic() - t_ref
         tokens = int(sum(gr.n_tokens for gr in ro.groups))
-        return StepWork(micro, tokens, info)
+        return StepWork(micro, tokens, info, on_kept=ro.old_logp.update if first else None)
 
     def estimate_steps(self) -> int:
         g, t = self.run.cfg.grpo, self.run.cfg.training

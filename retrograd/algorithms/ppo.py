@@ -83,8 +83,13 @@ class PPORollout:
 
 
 class PPO(RolloutRecipe):
+    # the value head trains in this process, inside the loss: its gradients stay here (with
+    # [distributed], PPO's rollouts are spread over the workers, its gradients are not)
+    distributed_gradients = False
+
     def __init__(self, run: RunContext) -> None:
-        super().__init__(run, run.cfg.ppo, "ppo", n_seq=1)
+        # a rollout's prompts decode together, one sequence each (split between the workers with [distributed])
+        super().__init__(run, run.cfg.ppo, "ppo", n_seq=run.cfg.ppo.batch_prompts)
         self.value = ValueHead.new(run.trainable.info.n_embd)
         self.current: PPORollout | None = None
         self.epoch = 0
@@ -113,8 +118,9 @@ class PPO(RolloutRecipe):
         prompts = self.stream.take(n=p.batch_prompts)
         examples, scores, lengths = [], [], []
         per: dict[str, list[float]] = {r.name: [] for r in self.rewards}
-        for pi, prompt in enumerate(prompts):
-            o = self.gen.generate(prompt.tokens, self.sampling(self.seeds(pi, n=1)))[0]
+        outs = self.gen.generate_each([pr.tokens for pr in prompts],
+                                      [self.sampling(self.seeds(pi, n=1))[0] for pi in range(len(prompts))])
+        for prompt, o in zip(prompts, outs):
             comp, _ = o.trained()
             if not comp:
                 continue

@@ -41,9 +41,10 @@ class Preference(DataRecipe):
         norm = float(len(pairs))
         micro = []
         for chunk, batch, owner, w in pair_batches(pairs, t.micro_batch_tokens):
-            def loss(inp: LossInputs, tally: Tally, chunk=chunk, owner=owner, w=w) -> LossOutputs:
-                value, coeff, s = pair_loss(chunk, inp.logp, owner, w, self.p, self.need_ref, norm)
-                rc, rr = implicit_rewards(s, self.p.loss, self.p.beta)
+            def loss(inp: LossInputs, tally: Tally, chunk=chunk, owner=owner, w=w, p=self.p,
+                     need_ref=self.need_ref) -> LossOutputs:
+                value, coeff, s = pair_loss(chunk, inp.logp, owner, w, p, need_ref, norm)
+                rc, rr = implicit_rewards(s, p.loss, p.beta)
                 margin = rc - rr
                 tally.add("loss", value)
                 tally.add("reward_margin", float(margin.sum() / norm))

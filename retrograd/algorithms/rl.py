@@ -30,7 +30,8 @@ class RolloutRecipe:
         self.train_prompts, self.eval_prompts = self.load_items()
         self.stream = ExampleStream(self.train_prompts, cfg.run.seed, cfg.data.shuffle)
         threads = run.trainable.info.n_threads
-        self.gen = Generator(generator_model(run.trainable.model_path, settings.generator_weights, threads),
+        make = run.generators or Generator      # with [distributed]: sampled on the workers
+        self.gen = make(generator_model(run.trainable.model_path, settings.generator_weights, threads),
                              n_ctx=self.context_size(),
                              n_seq=n_seq, threads=threads, device=cfg.model.device)
         self.rollout_index = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from retrograd.algorithms.base import DataRecipe, MicroBatch, StepWork, Tally
+from retrograd.algorithms.base import DataRecipe, MicroBatch, StepWork, Tally, train_batch
 from retrograd.batch import LossInputs, LossOutputs
 from retrograd.context import RunContext
 from retrograd.data.batching import ExampleStream, pack, steps_for, take_step, to_batch
@@ -31,12 +31,12 @@ class SFT(DataRecipe):
 
     def next_step(self) -> StepWork:
         t, d = self.run.cfg.training, self.run.cfg.data
-        at = self.stream.cursor.to_dict()      # the noise of a step depends on where it starts: resumable
+        at = self.stream.cursor.to_dict()      # noise and dropout masks depend on where the step starts: resumable
         examples = take_step(self.stream, t)
         norm = float(sum(e.n_trained for e in examples))
         micro = []
         for i, group in enumerate(pack(examples, t.micro_batch_tokens, d.packing)):
-            batch, _ = to_batch(group)
+            batch = train_batch(to_batch(group)[0], self.run.cfg, at, i)
             if t.neftune_alpha > 0:
                 seed = [self.run.cfg.run.seed, *(int(v) for v in at.values()), i]
                 batch.embed_noise = neftune_noise(batch.seq_ids, self.run.trainable.info.n_embd, t.neftune_alpha,

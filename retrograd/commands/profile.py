@@ -1,8 +1,10 @@
-"""`retrograd-profile CONFIG.toml [--steps N] [--threads N] [--json]`: run a short GRPO or agentic
-GRPO workload from a configuration and report the time and memory of each phase of a step: generation (llama.cpp,
-adapter swapped in from memory), reference log-probs (base model, our graph), forward, LM head,
-backward, optimizer, adapter swap, and the total, as medians over the timed steps (the first step
-warms up and is not counted). Memory is the process's peak resident size as each phase ends.
+"""`retrograd-profile CONFIG.toml [--steps N] [--threads N] [--json]`: run a few steps of a
+configuration (any algorithm; GRPO and agentic GRPO are what it was made for) and report the time
+and memory of each phase of a step: generation (llama.cpp, adapter swapped in from memory),
+reference log-probs (base model, our graph), forward, LM head, backward, optimizer, adapter swap,
+and the total, as medians over the timed steps (the first step warms up and is not counted).
+Memory is the process's peak resident size as each phase ends. With [distributed], each Ray
+worker's gradient time, the communication time and the time sampling on the workers too.
 
 Nothing is written to the run's directory: the workload trains a throw-away adapter in a
 temporary one. Each step is the trainer's own (`Trainer.step`), so what is timed is what `train`
@@ -31,8 +33,16 @@ if TYPE_CHECKING:
 PHASES = ("generation", "tool calls", "reference", "forward", "head", "backward", "optimizer", "adapter swap")
 
 
-def profile_grpo(ctx: RunContext, steps: int) -> list[dict]:
-    """Run steps + 1 GRPO steps through the trainer; per-step seconds and peak memory per phase."""
+def profile_steps(ctx: RunContext, steps: int) -> list[dict]:
+    """Run steps + 1 steps of the configured algorithm through the trainer (on the run's Ray workers
+    with [distributed]); per-step seconds and peak memory per phase, and per worker."""
+    from retrograd.distributed import workers_for
+
+    with workers_for(ctx):
+        return _profile_steps(ctx, steps)
+
+
+def _profile_steps(ctx: RunContext, steps: int) -> list[dict]:
     from retrograd.trainer import Trainer
 
     cfg, tr = ctx.cfg, ctx.trainable
@@ -57,11 +67,14 @@ def profile_grpo(ctx: RunContext, steps: int) -> list[dict]:
         for name, key in (("forward", "forward_ms"), ("head", "head_ms"), ("backward", "backward_ms"),
                           ("optimizer", "optimizer_ms")):
             row[name] = (getattr(after, key) - getattr(before, key)) / 1000
+        # [distributed]: each worker's gradient time, the slowest, the communication, the sampling
+        row.update({k: v for k, v in work.info.items() if k.startswith("dist_")})
         s = time.perf_counter()
-        recipe.sync_adapter()
-        row["adapter swap"] = time.perf_counter() - s
+        if hasattr(recipe, "sync_adapter"):
+            recipe.sync_adapter()
+            row["adapter swap"] = time.perf_counter() - s
         row["mem optimizer+swap"] = peak_rss_mib()
-        row["total"] = (t1 - t0) + row["adapter swap"]
+        row["total"] = (t1 - t0) + row.get("adapter swap", 0.0)
         row["tokens"] = work.n_tokens
         rows.append(row)
     return rows[1:]
@@ -70,12 +83,12 @@ def profile_grpo(ctx: RunContext, steps: int) -> list[dict]:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="retrograd-profile",
-        description="Run a short GRPO or agentic GRPO workload from a configuration (in a throw-away run "
-                    "directory) and report "
+        description="Run a few steps of a configuration (in a throw-away run directory) and report "
                     "the median time of each phase of a step (generation, reference log-probs, forward, LM head, "
-                    "backward, optimizer, adapter swap, total) and the peak resident memory as each phase ends. "
+                    "backward, optimizer, adapter swap, total) and the peak resident memory as each phase ends; "
+                    "with [distributed], each Ray worker's gradient time and the communication time per step. "
                     "The first step warms up and is not counted.")
-    ap.add_argument("config", nargs="?", help="a grpo or agent_grpo configuration (TOML); not with --sft")
+    ap.add_argument("config", nargs="?", help="a run configuration (TOML), e.g. grpo or agent_grpo; not with --sft")
     ap.add_argument("--steps", type=int, help="timed steps after one warm-up step (default 4; "
                     "--sft: 3)")
     ap.add_argument("--threads", type=int, help="CPU threads (default: as the configuration says; --sft: "
@@ -135,7 +148,7 @@ def _profile(args: argparse.Namespace) -> int:
     from retrograd.commands import positive
 
     if not args.config:
-        raise UsageError("give a grpo or agent_grpo configuration, or --sft")
+        raise UsageError("give a run configuration (e.g. grpo or agent_grpo), or --sft")
     from retrograd.config import load
     from retrograd.context import open_model
     from retrograd.run_setup import resolve_threads
@@ -145,31 +158,42 @@ def _profile(args: argparse.Namespace) -> int:
     if args.threads:
         os.environ["RETRO_THREADS"] = str(args.threads)
     cfg = load(Path(args.config))
-    if cfg.run.algorithm not in ("grpo", "agent_grpo"):
-        raise UsageError(f"{args.config}: retrograd-profile runs grpo workloads (grpo or agent_grpo); "
-                         f"[run].algorithm is {cfg.run.algorithm!r}")
     cfg.run.output = Path(tempfile.mkdtemp(prefix="retrograd-profile-"))
     cfg.checkpoint.directory = cfg.run.output / "checkpoints"
     ctx = open_model(cfg)
-    rows = profile_grpo(ctx, args.steps)
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    g = cfg.grpo
-    head = {"model": ctx.trainable.model_path.name, "prompts": g.prompts_per_step, "group_size": g.group_size,
-            "max_new_tokens": g.max_new_tokens, "beta": g.beta, "threads": resolve_threads(cfg),
+    rows = profile_steps(ctx, args.steps)
+    keys = dict.fromkeys(k for r in rows for k in r)      # a worker replaced mid-profile has rows of its own
+    med = {k: statistics.median(r[k] for r in rows if k in r) for k in keys}
+    g, t, d = cfg.grpo, cfg.training, cfg.distributed
+    rl = cfg.run.algorithm in ("grpo", "agent_grpo", "ppo")
+    head = {"model": ctx.trainable.model_path.name, "algorithm": cfg.run.algorithm, "threads": resolve_threads(cfg),
             "steps": len(rows)}
+    if rl:
+        head.update(prompts=g.prompts_per_step, group_size=g.group_size, max_new_tokens=g.max_new_tokens, beta=g.beta)
+    else:
+        head.update(batch_size=t.batch_size, micro_batch_tokens=t.micro_batch_tokens)
+    if d.backend == "ray":
+        head.update(workers=d.workers, threads_per_worker=d.threads_per_worker)
     if args.json:
         print(json.dumps({**head, "median": med}))
         return 0
-    print(f"{cfg.run.algorithm} step on {head['model']}: {g.prompts_per_step} prompts x {g.group_size} completions x <= "
-          f"{g.max_new_tokens} new tokens, beta {g.beta}, {head['threads']} threads, median of {len(rows)} steps")
+    what = (f"{g.prompts_per_step} prompts x {g.group_size} completions x <= {g.max_new_tokens} new tokens, beta {g.beta}"
+            if rl else f"{t.batch_size} examples, micro-batches of {t.micro_batch_tokens} tokens")
+    print(f"{cfg.run.algorithm} step on {head['model']}: {what}, {head['threads']} threads, median of {len(rows)} steps")
     for k in (*PHASES, "total"):
         if k in med:
             print(f"  {k:<13} {med[k]:7.2f} s")
-    print(f"  tokens trained per step: {med['tokens']:.0f} (each prompt once per group, and the completions)")
+    if d.backend == "ray":
+        workers = ", ".join(f"{k[5:-2]} {v:.2f} s (peak {med.get(k[:-2] + '_peak_mib', 0):.0f} MiB)"
+                            for k, v in med.items() if k.startswith("dist_w") and k.endswith("_s"))
+        print(f"  on {d.workers} Ray workers x {d.threads_per_worker} threads: gradient per worker: {workers or 'none'}; "
+              f"slowest {med.get('dist_compute_s', 0):.2f} s; communication {med.get('dist_comm_s', 0):.2f} s"
+              + (f"; sampling {med['dist_gen_s']:.2f} s" if "dist_gen_s" in med else ""))
+    print(f"  tokens trained per step: {med['tokens']:.0f}" + (" (each prompt once per group, and the completions)"
+                                                              if rl else ""))
     print("  peak resident memory as each phase ends: " + ", ".join(
         f"{k[4:]} {med[k]:.0f} MiB" for k in med if k.startswith("mem ")))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -294,3 +294,16 @@ def test_profile_times_tool_calls_as_their_own_phase(smollm, notes_adapter, tmp_
     for phase in ("generation", "tool calls", "reference", "forward", "backward", "adapter swap"):
         assert med[phase] >= 0, phase
     assert not (tmp_path / "runs").exists()
+
+
+def test_agent_grpo_samples_its_turns_on_ray_workers(smollm, notes_adapter, tmp_path):
+    """[distributed]: the conversations of a step are split between two Ray workers each turn; the
+    driver runs the tools and the judge-free verification, trains and evaluates as usual."""
+    pytest.importorskip("ray")
+    dist = '[distributed]\nbackend = "ray"\nworkers = 2\nthreads_per_worker = 1\ncheck_every = 1\n'
+    s = train(open_model(load(agent_config(tmp_path, smollm, notes_adapter, steps=1, extra=dist))))
+    assert s["steps"] == 1 and "eval_verify_pass" in s
+    rows = [json.loads(x) for x in (tmp_path / "runs/a/metrics.jsonl").read_text().splitlines()]
+    step1 = next(r for r in rows if r.get("step") == 1 and "loss" in r)
+    assert step1["dist_workers"] == 2 and step1["dist_gen_s"] > 0 and step1["dist_w0_s"] > 0
+    assert step1["turns"] >= 1 and step1["logp_gap"] < 0.2

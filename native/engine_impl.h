@@ -1,0 +1,87 @@
+/*
+ * engine_impl.h - what engine.c shares with recompute.c (activation checkpointing): the engine's
+ * state, a training micro-batch's run state, and the steps of preparing a micro-batch. Private to
+ * the two files; the C ABI is retrograd.h.
+ */
+#ifndef RG_ENGINE_IMPL_H
+#define RG_ENGINE_IMPL_H
+
+#include "rg_internal.h"
+
+struct rg_engine {
+    rg_model           * model;
+    ggml_backend_sched_t sched;
+    ggml_gallocr_t       opt_galloc;
+    rg_head            * head;
+    size_t               head_budget;
+    void               * ctx_mem;
+    size_t               ctx_mem_size;
+    size_t               graph_size;
+    bool                 exact_ops;
+    bool                 recompute;   /* activation checkpointing (recompute.c) */
+    int                  matmul_mode;
+    bool                 profiling;
+    rg_profile           prof;
+    double               prof_last;
+    /* the last preflight: pre_n op kinds (in ggml op order) with their unsupported nodes */
+    int                  pre_n;
+    int                  pre_count[RG_OP_KEYS];
+    const char         * pre_name[RG_OP_KEYS];
+    rg_timings           timings;
+};
+
+/* state of one accumulate() call, visible to the eval callback */
+typedef struct {
+    rg_engine          * e;
+    const rg_batch     * batch;
+    int32_t              n_real;      /* rows before padding */
+    struct ggml_tensor * hidden;
+    struct ggml_tensor * grad_hidden;
+    rg_coeff_fn          fn;
+    void               * user;
+    int                  want_entropy, want_hidden;
+    int                  lora_rank;
+    float              * logp;
+    rg_status            status;
+    double               t_start, t_hidden;
+    char                 error[1024];
+} rg_run;
+
+typedef struct {
+    rg_batch  b;
+    int32_t * owned;
+    float   * owned_noise;  /* the embedding noise with zero rows for the padding */
+} rg_padded;
+
+typedef struct {
+    struct ggml_context * ctx;
+    struct ggml_cgraph  * gf;
+    rg_graph_build        b;
+    struct ggml_tensor  * grad_hidden;
+    struct ggml_tensor  * loss_grad;
+} rg_built;
+
+/* A checked, padded batch with its graph built and allocated and its inputs set. */
+typedef struct {
+    rg_padded pb;
+    rg_built  o;
+    int32_t   n_real;     /* rows before padding */
+} rg_prepared;
+
+/* the graph kinds build() makes */
+enum {
+    RG_BUILD_FORWARD,        /* the trunk, no gradients */
+    RG_BUILD_TRAIN,          /* the trunk, the surrogate loss and its backward */
+    RG_BUILD_TRAIN_FORWARD,  /* the trunk and the surrogate loss without a backward, each layer's input kept
+                              * (an output): activation checkpointing's first pass */
+};
+
+rg_status rg_engine_prepare(rg_engine * e, rg_lora * lora, const rg_batch * batch, int kind, rg_prepared * p);
+void      rg_engine_release(rg_engine * e, rg_prepared * p);
+bool      rg_engine_on_node(struct ggml_tensor * t, bool ask, void * user);
+struct ggml_tensor * rg_engine_grad_of_param(const rg_lora * l, const struct ggml_tensor * t);
+/* the micro-batch's gradient with each layer's activations recomputed in the backward (recompute.c) */
+rg_status rg_engine_accumulate_recompute(rg_engine * e, rg_lora * lora, const rg_batch * batch, rg_coeff_fn fn,
+                                         void * user, int want_entropy, int want_hidden, float * logp_out);
+
+#endif
