@@ -278,3 +278,30 @@ def test_ppo_samples_on_the_workers_and_keeps_its_gradients_here(tiny, tmp_path)
                 assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-7), (x["step"], k)
     assert all(r["dist_gen_s"] > 0 for r in ray if "reward_mean" in r)
     assert not any("dist_w0_s" in r for r in ray)          # no gradients computed on the workers
+
+
+def test_without_replacements_the_survivors_carry_on(tiny, tmp_path):
+    """max_restarts = 0: a killed worker is not replaced; the step is redone on the survivor and the
+    run ends with the adapter of the same run on one worker's split (float32 sums aside)."""
+    model = tiny("llama")
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    cfg_a = long_run(tmp_path / "a", model)
+    train(open_model(load(cfg_a)))
+    cfg_b = long_run(tmp_path / "b", model)
+    cfg_b.write_text(cfg_b.read_text() + "max_restarts = 0\n")
+    run = tmp_path / "b/runs/t"
+    proc = _start(cfg_b)
+    try:
+        _wait_for_step(run, 5, proc)
+        os.kill(json.loads((run / "workers.json").read_text())["1"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert "worker 1 died; no replacement left (max_restarts = 0): 1 workers carry on" in err
+    assert max(losses(run)) == 60 and sorted(json.loads((run / "workers.json").read_text())) == ["0"]
+    a, b = adapter(tmp_path / "a/runs/t"), adapter(run)
+    scale = max(float(np.abs(v).max()) for v in a.values())
+    assert max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-3 * scale

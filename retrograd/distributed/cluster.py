@@ -228,20 +228,20 @@ class Cluster:
     # ---- generation --------------------------------------------------------------------------
     def generate(self, key: tuple, version: int, adapter: list, calls: list[tuple[str, tuple]]) -> list:
         """Generator.<method>(*args) for each (method, args), one per worker, in order; a call whose
-        worker died runs again on its replacement (the sampling is seeded, so it draws the same)."""
+        worker died runs again on its replacement (the sampling is seeded, so it draws the same), or
+        in a later round on a survivor when no replacement is left."""
         t0 = time.monotonic()
         results: dict[int, object] = {}
         todo = list(range(len(calls)))
         while todo:
-            if len(self.workers) < len(todo):
-                raise ClusterError("fewer live workers than generation shares")
+            now = todo[:len(self.workers)]
             jobs = [(pos, lambda w, c=calls[i]: w.generate.remote(key, version, adapter, c[0], c[1]))
-                    for pos, i in enumerate(todo)]
+                    for pos, i in enumerate(now)]
             got, dead = self._gather(jobs)
-            for pos, i in enumerate(todo):
+            for pos, i in enumerate(now):
                 if pos in got:
                     results[i] = got[pos]
-            todo = [i for pos, i in enumerate(todo) if pos not in got]
+            todo = [i for i in todo if i not in results]
             if dead:
                 self._replace(dead)
         self.gen_s += time.monotonic() - t0
