@@ -195,6 +195,7 @@ static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, int kind
     o->b.n_tokens = n_tokens;
     o->b.train = train;
     o->b.exact_ops = e->exact_ops;
+    o->b.on_cpu = e->model->backend == e->model->backend_cpu;
     o->b.matmul_mode = e->matmul_mode;
     o->b.embed_noise = noise;
     o->b.dropout = dropout;

@@ -44,7 +44,7 @@ static struct ggml_tensor * linear(rg_graph_build * b, int il, int t, struct ggm
     struct ggml_tensor * y;
     if (b->matmul_mode == RG_MATMUL_F32 && w->type != GGML_TYPE_F32) {
         y = ggml_mul_mat(ctx, ggml_cast(ctx, w, GGML_TYPE_F32), x);
-    } else if (rg_use_f16_matmul(w->type, b->matmul_mode)) {
+    } else if (b->on_cpu && rg_use_f16_matmul(w->type, b->matmul_mode)) {
         y = ggml_mul_mat(ctx, rg_dequant_f16(ctx, w, false), x);
     } else {
         y = ggml_mul_mat(ctx, w, x);

@@ -44,6 +44,7 @@ static rg_status segment(const rg_segments * s, int il, const float * x_in, floa
     rg_graph_build b = {
         .model = e->model, .lora = s->lora, .ctx = ctx, .n_tokens = T, .train = true, .exact_ops = e->exact_ops,
         .matmul_mode = e->matmul_mode, .dropout = s->batch->lora_dropout > 0.0f,
+        .on_cpu = e->model->backend == e->model->backend_cpu,
     };
     rg_build_layer_inputs(&b);
     struct ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, D, T);

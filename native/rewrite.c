@@ -101,7 +101,8 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
                 if (node->src[j] == b->subst_from[k] && node != b->subst_to[k]) node->src[j] = b->subst_to[k];
             }
         }
-        const bool own = !b->exact_ops && ggml_is_contiguous(node);    /* outer.c's kernels allowed */
+        /* outer.c's kernels allowed (CPU only: another device runs ggml's own ops) */
+        const bool own = !b->exact_ops && b->on_cpu && ggml_is_contiguous(node);
         if (node->op == GGML_OP_MUL_MAT && own && b->matmul_mode != RG_MATMUL_NATIVE) {
             /* LoRA's B (A x) in the forward: an inner dimension of the rank. (The native mode keeps
              * ggml's kernel, as llama.cpp computes it.) */
@@ -130,11 +131,12 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
         /* out_prod(a [n, m], b [p, m]) = mul_mat(a^T [m, n], b^T [m, p]); ggml's OUT_PROD kernel is
          * slow on the CPU for every type, the matmul kernels are not */
         struct ggml_tensor * x;
-        if (w && w->type != GGML_TYPE_F32 && b->matmul_mode != RG_MATMUL_F32) {
+        if (w && w->type != GGML_TYPE_F32 && b->matmul_mode != RG_MATMUL_F32 && b->on_cpu) {
             /* a frozen base weight: dequantize, transpose to F16 (transient, freed after use);
              * F16 halves the copy and doubles the matmul speed against F32 (docs/architecture.md) */
             x = w->type == GGML_TYPE_F16 ? ggml_cont(ctx, ggml_transpose(ctx, w)) : rg_dequant_f16(ctx, w, true);
         } else if (w) {
+            /* F32 (or another device, where a cast is a ggml op the device can run) */
             x = ggml_cont(ctx, ggml_transpose(ctx, w->type == GGML_TYPE_F32 ? w : ggml_cast(ctx, w, GGML_TYPE_F32)));
         } else {
             x = transposed(&tc, ctx, a);

@@ -107,6 +107,8 @@ typedef struct {
     struct ggml_tensor * layer_in[RG_MAX_LAYERS + 1]; /* each layer's input; [n_layer]: the final norm's */
     bool                 train;       /* build for autodiff (composite ops with a backward) */
     bool                 exact_ops;   /* ggml's own ops only: no fused substitutes, no outer.c kernels */
+    bool                 on_cpu;      /* the weights live on the CPU: retrograd's CPU kernels (outer.c,
+                                       * convert.c) may run; on another device only ggml's ops do */
     int                  matmul_mode; /* RG_MATMUL_* */
     /* after the backward is built, consumers of subst_from[i] read subst_to[i] instead: the
      * forward value then comes from llama.cpp's own fused op (bit-equal outputs) while the
