@@ -161,6 +161,20 @@ def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float 
     raise AssertionError(f"step {step} not reached in {timeout} s")
 
 
+def _kill_worker_1_at_step_5(cfg: Path, run: Path) -> tuple[subprocess.Popen, str]:
+    """`retrograd train cfg` with worker 1 SIGKILLed once step 5 is logged; the finished process
+    and its stderr."""
+    proc = _start(cfg)
+    try:
+        _wait_for_step(run, 5, proc)
+        os.kill(json.loads((run / "workers.json").read_text())["1"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc, err
+
+
 def long_run(d: Path, model: Path) -> Path:
     return make_run(d, model, steps=60, every=20, extra=RAY.format(check=5))
 
@@ -171,15 +185,7 @@ def test_a_killed_worker_is_replaced_and_the_result_is_unchanged(tiny, tmp_path)
     (tmp_path / "b").mkdir()
     train(open_model(load(long_run(tmp_path / "a", model))))
     run = tmp_path / "b/runs/t"
-    proc = _start(long_run(tmp_path / "b", model))
-    try:
-        _wait_for_step(run, 5, proc)
-        victim = json.loads((run / "workers.json").read_text())["1"]
-        os.kill(victim, signal.SIGKILL)
-        _, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc, err = _kill_worker_1_at_step_5(long_run(tmp_path / "b", model), run)
     assert proc.returncode == 0, err[-3000:]
     assert "worker 1 died; replaced by worker 2" in err
     assert max(losses(run)) == 60
@@ -291,14 +297,7 @@ def test_without_replacements_the_survivors_carry_on(tiny, tmp_path):
     cfg_b = long_run(tmp_path / "b", model)
     cfg_b.write_text(cfg_b.read_text() + "max_restarts = 0\n")
     run = tmp_path / "b/runs/t"
-    proc = _start(cfg_b)
-    try:
-        _wait_for_step(run, 5, proc)
-        os.kill(json.loads((run / "workers.json").read_text())["1"], signal.SIGKILL)
-        _, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc, err = _kill_worker_1_at_step_5(cfg_b, run)
     assert proc.returncode == 0, err[-3000:]
     assert "worker 1 died; no replacement left (max_restarts = 0): 1 workers carry on" in err
     assert max(losses(run)) == 60 and sorted(json.loads((run / "workers.json").read_text())) == ["0"]

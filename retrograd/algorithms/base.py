@@ -42,14 +42,19 @@ class StepWork:
     on_kept: Callable[[dict], None] | None = None
 
 
+def micro_seed(cfg, at: dict, i: int, *stream: int) -> np.random.SeedSequence:
+    """The seed of micro-batch i's random draws (NEFTune's noise, dropout's masks; `stream` keeps
+    them apart): the run seed, where the step starts in the data (`at`, the stream cursor) and the
+    index, so a resumed run draws what the uninterrupted one drew."""
+    return np.random.SeedSequence([cfg.run.seed, *(int(v) for v in at.values()), i, *stream])
+
+
 def train_batch(batch: Batch, cfg, at: dict, i: int) -> Batch:
-    """A training micro-batch with [lora].dropout's probability and masks seeded by the run seed,
-    where the step starts in the data (`at`, the stream cursor) and the micro-batch index: a
-    resumed run draws the masks the uninterrupted one drew. Evaluation batches never get them."""
+    """A training micro-batch with [lora].dropout's probability and its masks' seed (micro_seed).
+    Evaluation batches never get them."""
     if cfg.lora.dropout > 0:
         batch.lora_dropout = cfg.lora.dropout
-        batch.dropout_seed = int(np.random.SeedSequence([cfg.run.seed, *(int(v) for v in at.values()), i, 1])
-                                 .generate_state(1, np.uint64)[0])
+        batch.dropout_seed = int(micro_seed(cfg, at, i, 1).generate_state(1, np.uint64)[0])
     return batch
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from retrograd.algorithms.base import DataRecipe, MicroBatch, StepWork, Tally, train_batch
+from retrograd.algorithms.base import DataRecipe, MicroBatch, StepWork, Tally, micro_seed, train_batch
 from retrograd.batch import LossInputs, LossOutputs
 from retrograd.context import RunContext
 from retrograd.data.batching import ExampleStream, pack, steps_for, take_step, to_batch
@@ -38,9 +38,8 @@ class SFT(DataRecipe):
         for i, group in enumerate(pack(examples, t.micro_batch_tokens, d.packing)):
             batch = train_batch(to_batch(group)[0], self.run.cfg, at, i)
             if t.neftune_alpha > 0:
-                seed = [self.run.cfg.run.seed, *(int(v) for v in at.values()), i]
                 batch.embed_noise = neftune_noise(batch.seq_ids, self.run.trainable.info.n_embd, t.neftune_alpha,
-                                                  np.random.default_rng(seed))
+                                                  np.random.default_rng(micro_seed(self.run.cfg, at, i)))
             w = np.ones(batch.n_targets, np.float32)
 
             def loss(inp: LossInputs, tally: Tally, w=w) -> LossOutputs:

@@ -95,7 +95,7 @@ class Cluster:
         self.next_rank = 0
         for _ in range(self.d.workers):
             self._add()
-        self._wait_started(self.workers)
+        self._wait_started()
         self._write_roster()
 
     # ---- workers -------------------------------------------------------------------------------
@@ -108,7 +108,7 @@ class Cluster:
         self.ranks.append(rank)
         return w
 
-    def _wait_started(self, workers: list) -> None:
+    def _wait_started(self) -> None:
         try:
             self.pids = dict(zip(self.ranks, self.ray.get([w.pid.remote() for w in self.workers],
                                                           timeout=START_TIMEOUT_S)))
@@ -161,12 +161,10 @@ class Cluster:
         """Load the driver's adapter and optimizer state into every worker (at the start, and after a
         resume)."""
         state = read_state(self.tr)
-        want = digest(self.tr)
         _, dead = self._gather([(pos, lambda w: w.load_state.remote(state)) for pos in range(len(self.workers))])
         if dead:
             self._replace(dead)
         self.synced = True
-        log.debug("replicas synchronised (%s)", want[:12])
 
     # ---- a training step ---------------------------------------------------------------------
     def train_step(self, micro: list, tally: Tally, hp: dict) -> float:

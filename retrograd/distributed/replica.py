@@ -29,7 +29,7 @@ STATE_SLOTS = (native.SLOT_PARAM, native.SLOT_ADAM_M, native.SLOT_ADAM_V)
 
 
 def read_state(tr: Trainable) -> dict[int, list[np.ndarray]]:
-    return {slot: [tr.lora.read(t.index, slot) for t in tr.lora.tensors] for slot in STATE_SLOTS}
+    return {slot: list(tr.lora.state(slot).values()) for slot in STATE_SLOTS}
 
 
 def write_state(tr: Trainable, state: dict[int, list[np.ndarray]]) -> None:
@@ -43,14 +43,14 @@ def digest(tr: Trainable) -> str:
     """A hash of the adapter and its optimizer state: equal on two replicas only if they hold the
     same bits."""
     h = hashlib.sha256()
-    for slot in STATE_SLOTS:
-        for t in tr.lora.tensors:
-            h.update(np.ascontiguousarray(tr.lora.read(t.index, slot)).tobytes())
+    for arrays in read_state(tr).values():
+        for a in arrays:
+            h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()
 
 
 def read_grads(tr: Trainable) -> list[np.ndarray]:
-    return [tr.lora.read(t.index, native.SLOT_GRAD) for t in tr.lora.tensors]
+    return list(tr.lora.state(native.SLOT_GRAD).values())
 
 
 def write_grads(tr: Trainable, grads: list[np.ndarray]) -> None:
