@@ -174,9 +174,9 @@ static rg_status pad_batch(const rg_batch * in, int n_embd, rg_padded * out) {
 
 /* ---- graph building ------------------------------------------------------------------------ */
 struct ggml_tensor * rg_engine_grad_of_param(const rg_lora * l, const struct ggml_tensor * t) {
-    for (int p = 0; p < l->n_pairs; p++) {
-        if (l->pairs[p].a.t[RG_SLOT_PARAM] == t) return l->pairs[p].a.t[RG_SLOT_GRAD];
-        if (l->pairs[p].b.t[RG_SLOT_PARAM] == t) return l->pairs[p].b.t[RG_SLOT_GRAD];
+    for (int i = 0; i < rg_lora_tensor_count(l); i++) {
+        const rg_lora_slotset * s = rg_lora_slots(l, i);
+        if (s->t[RG_SLOT_PARAM] == t) return s->t[RG_SLOT_GRAD];
     }
     return NULL;
 }
@@ -469,24 +469,24 @@ rg_status rg_engine_accumulate(rg_engine * e, rg_lora * lora, const rg_batch * b
 /* ---- optimizer ------------------------------------------------------------------------------ */
 /* NULL (error set) when host memory runs out */
 static struct ggml_context * opt_ctx(const rg_lora * l) {
-    const size_t n = (size_t) l->n_pairs * 2 * 6 + 16;
+    const size_t n = (size_t) rg_lora_tensor_count(l) * 6 + 16;
     struct ggml_init_params ip = { ggml_tensor_overhead() * n + ggml_graph_overhead_custom(n, false), NULL, true };
     struct ggml_context * ctx = ggml_init(ip);
     if (!ctx) rg_fail(RG_ERR_NOMEM, "out of host memory for the optimizer graph");
     return ctx;
 }
 
-static size_t opt_graph_size(const rg_lora * l) { return (size_t) l->n_pairs * 2 * 6 + 16; }
+static size_t opt_graph_size(const rg_lora * l) { return (size_t) rg_lora_tensor_count(l) * 6 + 16; }
 
 rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float * grad_norm_out) {
     const double t0 = rg_now_ms();
     if (p->step < 1) return rg_fail(RG_ERR_ARG, "AdamW step must be >= 1, got %lld", (long long) p->step);
-    const int n = 2 * l->n_pairs;
+    const int n = rg_lora_tensor_count(l);
     struct ggml_tensor ** grads = rg_malloc(sizeof(*grads) * 4 * (size_t) n, "the optimizer's tensor lists");
     if (!grads) return RG_ERR_NOMEM;
     struct ggml_tensor ** params = grads + n, ** ms = params + n, ** vs = ms + n;
     for (int i = 0; i < n; i++) {
-        const rg_lora_slotset * s = i % 2 == 0 ? &l->pairs[i / 2].a : &l->pairs[i / 2].b;
+        const rg_lora_slotset * s = rg_lora_slots(l, i);
         params[i] = s->t[RG_SLOT_PARAM];
         grads[i] = s->t[RG_SLOT_GRAD];
         ms[i] = s->t[RG_SLOT_ADAM_M];
@@ -525,14 +525,20 @@ rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float 
     if (st == RG_OK && !(ctx = opt_ctx(l))) st = RG_ERR_NOMEM;
     if (st == RG_OK) {
         struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, opt_graph_size(l), false);
-        /* hyper-parameters of the A matrices, and of the B matrices (LoRA+ gives them their own lr) */
+        /* hyper-parameters of the A matrices, of the B matrices (LoRA+ gives them their own lr)
+         * and of DoRA's magnitudes (A's lr, no weight decay: m is a row norm, not a correction
+         * that should shrink towards zero) */
         struct ggml_tensor * hp = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 7);
         struct ggml_tensor * hp_b = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 7);
+        struct ggml_tensor * hp_m = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 7);
         ggml_set_input(hp);
         ggml_set_input(hp_b);
+        ggml_set_input(hp_m);
         for (int i = 0; i < n; i++) {
             struct ggml_tensor * g = coef == 1.0f ? grads[i] : ggml_scale(ctx, grads[i], coef);
-            ggml_build_forward_expand(gf, ggml_opt_step_adamw(ctx, params[i], g, ms[i], vs[i], i % 2 ? hp_b : hp));
+            const int kind = i % l->per_pair;
+            ggml_build_forward_expand(gf, ggml_opt_step_adamw(ctx, params[i], g, ms[i], vs[i],
+                                                              kind == 0 ? hp : kind == 1 ? hp_b : hp_m));
         }
         if (!ggml_gallocr_alloc_graph(e->opt_galloc, gf)) {
             st = rg_fail(RG_ERR_COMPUTE, "optimizer graph allocation failed");
@@ -542,8 +548,10 @@ rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float 
             const float v[7] = { p->lr, p->beta1, p->beta2, p->eps, p->weight_decay, b1h, b2h };
             const float ratio = p->lr_b_ratio > 0 ? p->lr_b_ratio : 1.0f;
             const float vb[7] = { p->lr * ratio, p->beta1, p->beta2, p->eps, p->weight_decay, b1h, b2h };
+            const float vm[7] = { p->lr, p->beta1, p->beta2, p->eps, 0.0f, b1h, b2h };
             ggml_backend_tensor_set(hp, v, 0, sizeof(v));
             ggml_backend_tensor_set(hp_b, vb, 0, sizeof(vb));
+            if (hp_m->buffer) ggml_backend_tensor_set(hp_m, vm, 0, sizeof(vm));
             if (ggml_backend_graph_compute(e->model->backend, gf) != GGML_STATUS_SUCCESS) {
                 st = rg_fail(RG_ERR_COMPUTE, "optimizer step failed");
             }

@@ -36,19 +36,38 @@ static struct ggml_tensor * rms_norm(rg_graph_build * b, struct ggml_tensor * x,
     return ggml_mul(b->ctx, ggml_rms_norm(b->ctx, x, b->model->hp.rms_eps), w);
 }
 
-/* y = W x (+ scale * B A x) (+ bias) for LoRA target t of layer il. */
+/* DoRA's per-row factor m / ||W + s B A||, as [n_out, 1]. Expanding the square,
+ *   ||W_o + s (BA)_o||^2 = ||W_o||^2 + 2 s B_o . (W A^T)_o + s^2 B_o (A A^T) B_o^T,
+ * so W enters only through one product with A (rank columns: the cost of `rank` more tokens)
+ * and stays quantized. The norm is differentiated in full (PEFT detaches it to save memory; here
+ * its terms are rank-sized). wq is W as the base product reads it. */
+static struct ggml_tensor * dora_factor(rg_graph_build * b, const rg_lora_pair * pr, struct ggml_tensor * wq, int il) {
+    struct ggml_context * ctx = b->ctx;
+    struct ggml_tensor * A = pr->a.t[RG_SLOT_PARAM], * B = pr->b.t[RG_SLOT_PARAM];
+    const int64_t n_out = B->ne[1];
+    const float s = b->lora->scale;
+    struct ggml_tensor * wa = ggml_cont(ctx, ggml_transpose(ctx, ggml_mul_mat(ctx, wq, A)));  /* [r, n_out] */
+    struct ggml_tensor * cross = ggml_sum_rows(ctx, ggml_mul(ctx, wa, B));                     /* [1, n_out] */
+    struct ggml_tensor * gram = ggml_mul_mat(ctx, A, A);                                       /* [r, r] */
+    struct ggml_tensor * quad = ggml_sum_rows(ctx, ggml_mul(ctx, ggml_mul_mat(ctx, gram, B), B));
+    struct ggml_tensor * n2 = ggml_add(ctx, pr->w_norm2, ggml_add(ctx, ggml_scale(ctx, cross, 2.0f * s), ggml_scale(ctx, quad, s * s)));
+    CHECK_SHAPE(b, n2, 1, n_out, 1, "dora norm");
+    struct ggml_tensor * f = ggml_div(ctx, pr->m.t[RG_SLOT_PARAM], ggml_sqrt(ctx, n2));
+    return named(ggml_reshape_2d(ctx, f, n_out, 1), "dora_factor", il);
+}
+
+/* y = W x (+ scale * B A x) (+ bias) for LoRA target t of layer il; DoRA scales the sum's rows. */
 static struct ggml_tensor * linear(rg_graph_build * b, int il, int t, struct ggml_tensor * x,
                                    struct ggml_tensor * bias) {
     struct ggml_context * ctx = b->ctx;
     struct ggml_tensor * w = b->model->layers[il].w[t];
-    struct ggml_tensor * y;
+    struct ggml_tensor * wq = w;          /* W as the products read it */
     if (b->matmul_mode == RG_MATMUL_F32 && w->type != GGML_TYPE_F32) {
-        y = ggml_mul_mat(ctx, ggml_cast(ctx, w, GGML_TYPE_F32), x);
+        wq = ggml_cast(ctx, w, GGML_TYPE_F32);
     } else if (b->on_cpu && rg_use_f16_matmul(w->type, b->matmul_mode)) {
-        y = ggml_mul_mat(ctx, rg_dequant_f16(ctx, w, false), x);
-    } else {
-        y = ggml_mul_mat(ctx, w, x);
+        wq = rg_dequant_f16(ctx, w, false);
     }
+    struct ggml_tensor * y = ggml_mul_mat(ctx, wq, x);
     if (b->lora && b->lora->pair_index[il][t] >= 0) {
         const rg_lora_pair * pr = &b->lora->pairs[b->lora->pair_index[il][t]];
         struct ggml_tensor * xa = x;
@@ -63,6 +82,11 @@ static struct ggml_tensor * linear(rg_graph_build * b, int il, int t, struct ggm
         } else {
             /* the same sum, scaled where it is rank-wide rather than output-wide */
             y = ggml_add(ctx, y, ggml_mul_mat(ctx, pr->b.t[RG_SLOT_PARAM], ggml_scale(ctx, ax, b->lora->scale)));
+        }
+        if (b->lora->variant == RG_LORA_DORA) {
+            struct ggml_tensor * f = dora_factor(b, pr, wq, il);
+            if (!f) return NULL;
+            y = ggml_mul(ctx, y, f);
         }
     }
     if (bias) y = ggml_add(ctx, y, bias);

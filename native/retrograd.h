@@ -114,10 +114,18 @@ rg_status rg_model_target_dims(const rg_model * model, int layer, int target,
 /* ---- LoRA adapters ------------------------------------------------------------------------ */
 typedef struct rg_lora rg_lora;
 
+enum { RG_LORA_PLAIN = 0, RG_LORA_DORA = 1 };
+
 /* A and B (F32) for every layer and every target bit set in target_mask (1 << RG_TARGET_*),
- * all slots zero; the caller initialises A. Scale applied in the forward is alpha / rank. */
-rg_status rg_lora_init(rg_model * model, uint32_t target_mask, int rank, float alpha,
+ * all slots zero; the caller initialises A. Scale applied in the forward is alpha / rank.
+ * RG_LORA_DORA adds per pair a magnitude m ([1, n_out], tensor name "...dora_m", after A and B)
+ * and computes y = m / ||W + scale B A||_row (W x + scale B A x), the norm differentiated in
+ * full; m starts at the row norms of W (a fresh adapter leaves the model unchanged). */
+rg_status rg_lora_init(rg_model * model, uint32_t target_mask, int rank, float alpha, int variant,
                        rg_lora ** out);
+int       rg_lora_variant(const rg_lora * lora);
+/* DoRA: sets every magnitude to the row norms of W + scale B A for the current A and B. */
+rg_status rg_lora_magnitude_reset(rg_lora * lora);
 void      rg_lora_free(rg_lora * lora);
 int       rg_lora_tensor_count(const rg_lora * lora);
 /* name is the llama.cpp adapter name ("blk.3.attn_q.weight.lora_a"); ne0 is the fastest dim. */
@@ -256,6 +264,14 @@ void      rg_engine_profile_reset(rg_engine * engine);
  * type; k a multiple of its block size) with an F32 [k, n] one: seconds per product, the median
  * rate is 2 m n k / seconds. A yardstick for the profile's FLOP rates, measured in the same run. */
 rg_status rg_matmul_bench(int type, int64_t m, int64_t n, int64_t k, int n_threads, int reps, double * seconds_out);
+/* ---- weight formats ------------------------------------------------------------------------ */
+/* type is a ggml type number (GGUF stores the same). Bytes of n_rows rows (0: not a format whose
+ * blocks fill rows of n_per_row values); rows to floats; floats to rows with ggml's quantizer
+ * (RG_ERR_ARG for formats that need an importance matrix). */
+size_t    rg_rows_bytes(int type, int64_t n_rows, int64_t n_per_row);
+rg_status rg_rows_dequantize(int type, const void * src, float * dst, int64_t n_rows, int64_t n_per_row);
+rg_status rg_rows_quantize(int type, const float * src, void * dst, int64_t n_rows, int64_t n_per_row);
+
 /* RG_CDEF_END */
 
 #ifdef __cplusplus

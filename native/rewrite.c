@@ -53,6 +53,18 @@ static struct ggml_tensor * transposed(rg_transposes * tc, struct ggml_context *
     return r;
 }
 
+/* a base weight dequantized and transposed to F16, once per graph even when two products need it
+ * (the input's gradient and, with DoRA, the gradient of A through W A^T) */
+static struct ggml_tensor * dequant_transposed(rg_transposes * dq, struct ggml_context * ctx, struct ggml_tensor * w) {
+    for (int i = 0; i < dq->n; i++) if (dq->src[i] == w) return dq->dst[i];
+    struct ggml_tensor * r = rg_dequant_f16(ctx, w, true);
+    if (dq->n < 1024) {
+        dq->src[dq->n] = w;
+        dq->dst[dq->n++] = r;
+    }
+    return r;
+}
+
 /* whether t depends on no graph input (tokens, positions, masks, the head's gradient): a weight,
  * an adapter tensor, or a conversion of one (a dequantized copy, a transpose), up to `depth` ops deep */
 static bool input_free(const struct ggml_tensor * t, int depth) {
@@ -92,8 +104,9 @@ static void become(struct ggml_tensor * node, const struct ggml_tensor * op) {
 struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * gf, size_t size) {
     struct ggml_context * ctx = b->ctx;
     const int n = ggml_graph_n_nodes(gf);
-    static __thread rg_transposes tc;
+    static __thread rg_transposes tc, dq;
     tc.n = 0;
+    dq.n = 0;
     for (int i = 0; i < n; i++) {
         struct ggml_tensor * node = ggml_graph_node(gf, i);
         for (int j = 0; j < GGML_MAX_SRC; j++) {
@@ -134,7 +147,7 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
         if (w && w->type != GGML_TYPE_F32 && b->matmul_mode != RG_MATMUL_F32 && b->on_cpu) {
             /* a frozen base weight: dequantize, transpose to F16 (transient, freed after use);
              * F16 halves the copy and doubles the matmul speed against F32 (docs/architecture.md) */
-            x = w->type == GGML_TYPE_F16 ? ggml_cont(ctx, ggml_transpose(ctx, w)) : rg_dequant_f16(ctx, w, true);
+            x = w->type == GGML_TYPE_F16 ? transposed(&tc, ctx, w) : dequant_transposed(&dq, ctx, w);
         } else if (w) {
             /* F32 (or another device, where a cast is a ggml op the device can run) */
             x = ggml_cont(ctx, ggml_transpose(ctx, w->type == GGML_TYPE_F32 ? w : ggml_cast(ctx, w, GGML_TYPE_F32)));
@@ -142,6 +155,11 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
             x = transposed(&tc, ctx, a);
         }
         struct ggml_tensor * y = bt->op == GGML_OP_TRANSPOSE ? bt->src[0] : transposed(&tc, ctx, bt);
+        if (w && y->nb[0] != sizeof(float)) {
+            /* a thin gradient seen through a transpose (DoRA's W A^T): a copy of [n_out x rank]
+             * floats buys the matmul kernel instead of OUT_PROD on quantized rows */
+            y = ggml_cont(ctx, y);
+        }
         if (x->ne[0] != y->ne[0] || node->ne[0] != x->ne[1] || node->ne[1] != y->ne[1] ||
             node->ne[2] != y->ne[2] || node->ne[3] != y->ne[3] || y->ne[2] % x->ne[2] != 0 ||
             y->nb[0] != sizeof(float)) {

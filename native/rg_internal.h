@@ -72,8 +72,10 @@ typedef struct {
 } rg_lora_slotset;
 
 typedef struct {
-    int             layer, target;
-    rg_lora_slotset a, b;
+    int                  layer, target;
+    rg_lora_slotset      a, b;
+    rg_lora_slotset      m;        /* DoRA's magnitude [1, n_out]; unset for plain LoRA */
+    struct ggml_tensor * w_norm2;  /* DoRA: ||W_o||^2 per output row o, [1, n_out], constant */
 } rg_lora_pair;
 
 struct rg_lora {
@@ -81,13 +83,18 @@ struct rg_lora {
     int                   rank;
     float                 alpha, scale;
     uint32_t              target_mask;
+    int                   variant;      /* RG_LORA_PLAIN or RG_LORA_DORA */
+    int                   per_pair;     /* tensors per pair: 2 (A, B) or 3 (A, B, m) */
     int                   n_pairs;
     rg_lora_pair        * pairs;
     int                   pair_index[RG_MAX_LAYERS][RG_N_TARGETS];  /* -1 when absent */
     struct ggml_context * ctx;
-    ggml_backend_buffer_t buf_param, buf_grad, buf_moments;
-    char               (* names)[96];   /* 2 per pair: lora_a, lora_b */
+    ggml_backend_buffer_t buf_param, buf_grad, buf_moments, buf_const;
+    char               (* names)[96];   /* per_pair per pair: lora_a, lora_b (, dora_m) */
 };
+
+/* the slots of the adapter's tensor `index` (ABI order: per pair A, B, then DoRA's m) */
+rg_lora_slotset * rg_lora_slots(const rg_lora * l, int index);
 
 /* graph construction (graph.c) ------------------------------------------------------------ */
 typedef struct {

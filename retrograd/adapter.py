@@ -5,6 +5,10 @@ The format is what llama.cpp's loader expects: general.type = "adapter", adapter
 adapter.lora.alpha, and for every adapted weight W the F32 tensors "<W>.lora_a" (ne = [n_in, r])
 and "<W>.lora_b" (ne = [r, n_out]). The writer is a few lines of struct packing: it runs on the hot
 path of RL, where the adapter is re-serialised after each step.
+
+A DoRA adapter is the same file with adapter.type = "dora" and a third tensor per weight,
+"<W>.dora_m" (ne = [1, n_out]): llama.cpp refuses the type (it cannot apply the magnitudes), so
+the file is never mistaken for a plain LoRA; generation merges it (retrograd/generation/merge.py).
 """
 
 from __future__ import annotations
@@ -29,13 +33,17 @@ def _s(text: str) -> bytes:
     return struct.pack("<Q", len(b)) + b
 
 
-def to_bytes(arch: str, alpha: float, tensors: dict[str, np.ndarray], name: str = "retrograd adapter") -> bytes:
-    """GGUF bytes of a LoRA adapter. tensors maps names to numpy arrays in (ne1, ne0) order."""
+KINDS = ("lora", "dora")
+
+
+def to_bytes(arch: str, alpha: float, tensors: dict[str, np.ndarray], name: str = "retrograd adapter",
+             kind: str = "lora") -> bytes:
+    """GGUF bytes of a LoRA (or DoRA) adapter. tensors maps names to numpy arrays in (ne1, ne0) order."""
     kv = [
         ("general.architecture", _T_STRING, _s(arch)),
         ("general.type", _T_STRING, _s("adapter")),
         ("general.name", _T_STRING, _s(name)),
-        ("adapter.type", _T_STRING, _s("lora")),
+        ("adapter.type", _T_STRING, _s(kind)),
         ("adapter.lora.alpha", _T_FLOAT32, struct.pack("<f", float(alpha))),
         ("general.alignment", _T_UINT32, struct.pack("<I", ALIGN)),
     ]
@@ -65,12 +73,27 @@ def write(path: Path, data: bytes) -> None:
     atomic_write(path, data)
 
 
+def kind_of(data: bytes) -> str:
+    """"lora" or "dora" for adapter bytes, read from the adapter.type key without parsing the file:
+    GGUF spells a string key-value one way only (u64 length, key, type 8, u64 length, value)."""
+    for kind in KINDS:
+        if _s("adapter.type") + struct.pack("<I", _T_STRING) + _s(kind) in data[:65536]:
+            return kind
+    return "lora"
+
+
 @dataclass
 class AdapterFile:
     arch: str
     alpha: float
     rank: int
     tensors: dict[str, np.ndarray]
+    kind: str = "lora"                 # "dora": tensors also hold "<W>.dora_m"
+
+    @property
+    def scale(self) -> float:
+        """What the update B A is multiplied by: alpha / rank (1 when alpha is 0, llama.cpp's rule)."""
+        return self.alpha / self.rank if self.alpha else 1.0
 
 
 class AdapterError(RetrogradError, ValueError):
@@ -93,8 +116,8 @@ def read(path: Path) -> AdapterFile:
         f = r.fields.get(key)
         return None if f is None else f.contents()
 
-    if field("general.type") != "adapter" or field("adapter.type") != "lora":
-        raise AdapterError(f"{path}: not a LoRA adapter (general.type={field('general.type')!r}, "
+    if field("general.type") != "adapter" or field("adapter.type") not in KINDS:
+        raise AdapterError(f"{path}: not a LoRA or DoRA adapter (general.type={field('general.type')!r}, "
                            f"adapter.type={field('adapter.type')!r})")
     tensors: dict[str, np.ndarray] = {}
     for t in r.tensors:
@@ -108,4 +131,5 @@ def read(path: Path) -> AdapterFile:
     if len(ranks) != 1:
         raise AdapterError(f"{path}: LoRA tensors have ranks {sorted(ranks)}; expected one rank")
     alpha = field("adapter.lora.alpha")
-    return AdapterFile(str(field("general.architecture")), float(alpha or 0.0), ranks.pop(), tensors)
+    return AdapterFile(str(field("general.architecture")), float(alpha or 0.0), ranks.pop(), tensors,
+                       str(field("adapter.type")))

@@ -41,7 +41,7 @@ def model_identity(trainable) -> dict:
 
 def lora_identity(trainable) -> dict:
     s = trainable.spec
-    return {"rank": s.rank, "alpha": s.alpha, "targets": list(s.targets), "scaling": s.scaling}
+    return {"rank": s.rank, "alpha": s.alpha, "targets": list(s.targets), "scaling": s.scaling, "variant": s.variant}
 
 
 def save(directory: Path, step: int, trainable, trainer_state: dict, config: dict) -> Path:
@@ -127,7 +127,8 @@ def load(state_dir: Path, trainable) -> dict:
                                   f"checkpoint, {have.get(key)!r} for {have['path']})")
     want_l, have_l = meta.get("lora", {}), lora_identity(trainable)
     want_l.setdefault("scaling", "standard")        # checkpoints from before [lora].scaling
-    for key in ("rank", "alpha", "targets", "scaling"):
+    want_l.setdefault("variant", "lora")            # ... and before [lora].variant
+    for key in ("rank", "alpha", "targets", "scaling", "variant"):
         if want_l.get(key) != have_l.get(key):
             raise CheckpointError(f"{state_dir}: incompatible [lora].{key}: checkpoint has {want_l.get(key)!r}, "
                                   f"the configuration {have_l.get(key)!r}")

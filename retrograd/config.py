@@ -193,6 +193,10 @@ def _cross_check(cfg: Config, label: str) -> None:
     if cfg.training.neftune_alpha > 0 and cfg.run.algorithm != "sft":
         raise ConfigError(f"{label}: [training].neftune_alpha applies to sft only (noise on the inputs of "
                           f"supervised examples), not to {cfg.run.algorithm}")
+    if cfg.lora.variant == "dora" and cfg.run.algorithm in RL_ALGORITHMS:
+        raise ConfigError(f"{label}: [lora].variant = \"dora\" cannot train {cfg.run.algorithm}: its rollouts are sampled "
+                          "by llama.cpp, which cannot apply DoRA's magnitudes (the model would be merged again after "
+                          "every step); use variant = \"lora\", or dora with sft, distill or preference")
     if not is_built(cfg.run.algorithm):
         built = [a for a in ALGORITHMS if is_built(a)]
         raise ConfigError(f"{label}: [run].algorithm = {cfg.run.algorithm!r}: {NOT_BUILT[cfg.run.algorithm]} is not "

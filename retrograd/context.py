@@ -46,7 +46,7 @@ class RunContext:
 def open_model(cfg: Config, *, need_data: bool = True) -> RunContext:
     """Model, adapter, tokenizer, chat format and (for sft and distill) the examples of a configuration."""
     model_path = resolve_model(cfg)
-    spec = LoraSpec(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.targets), cfg.lora.scaling)
+    spec = LoraSpec(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.targets), cfg.lora.scaling, cfg.lora.variant)
     trainable = Trainable(model_path, spec, device=cfg.model.device, threads=resolve_threads(cfg), seed=cfg.run.seed)
     trainable.engine.set_recompute(cfg.training.activation_checkpointing)
     if cfg.lora.init_adapter:

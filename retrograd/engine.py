@@ -21,6 +21,11 @@ class LoraSpec:
     alpha: float = 32.0
     targets: tuple[str, ...] = native.TARGETS
     scaling: str = "standard"       # "rslora": the update is scaled by alpha / sqrt(rank)
+    variant: str = "lora"           # "dora": a learned magnitude per output row (docs/numerics.md)
+
+    @property
+    def dora(self) -> bool:
+        return self.variant == "dora"
 
     @property
     def effective_alpha(self) -> float:
@@ -39,7 +44,7 @@ class Trainable(native.Closeable):
         self.model = native.Model(self.model_path, device=device, threads=threads)
         self.engine = native.Engine(self.model)
         self.spec = spec
-        self.lora = native.Lora(self.model, spec.targets, spec.rank, spec.effective_alpha)
+        self.lora = native.Lora(self.model, spec.targets, spec.rank, spec.effective_alpha, dora=spec.dora)
         # the reference policy's adapter (KL in RL, preference losses): None is the base model; a run
         # that starts from [lora].init_adapter measures against that adapter, not the bare base
         self.reference: native.Lora | None = None
@@ -51,20 +56,23 @@ class Trainable(native.Closeable):
 
     def init_lora(self, seed: int) -> None:
         """Standard LoRA initialisation: A uniform in +-1/sqrt(n_in) (Kaiming with a=sqrt(5)), B = 0,
-        so a fresh adapter leaves the model unchanged."""
+        so a fresh adapter leaves the model unchanged; DoRA's magnitudes start at W's row norms."""
         rng = np.random.default_rng(seed)
         for t in self.lora.tensors:
             if t.name.endswith(".lora_a"):
                 bound = 1.0 / np.sqrt(t.shape[1])
                 self.lora.write(t.index, rng.uniform(-bound, bound, t.shape).astype(np.float32))
-            else:
+            elif t.name.endswith(".lora_b"):
                 self.lora.write(t.index, np.zeros(t.shape, np.float32))
+        if self.spec.dora:
+            self.lora.reset_magnitude()
         for slot in (native.SLOT_GRAD, native.SLOT_ADAM_M, native.SLOT_ADAM_V):
             self.lora.zero(slot)
 
     # ---- adapters as files -------------------------------------------------------------------
     def adapter_bytes(self) -> bytes:
-        return adapter_io.to_bytes(self.info.arch, self.spec.effective_alpha, self.lora.state())
+        return adapter_io.to_bytes(self.info.arch, self.spec.effective_alpha, self.lora.state(),
+                                   kind="dora" if self.spec.dora else "lora")
 
     def save_adapter(self, path: Path) -> None:
         adapter_io.write(path, self.adapter_bytes())
@@ -76,6 +84,10 @@ class Trainable(native.Closeable):
         if f.arch != self.info.arch:
             raise adapter_io.AdapterError(f"{path}: adapter is for architecture {f.arch!r}, "
                                           f"the model is {self.info.arch!r}")
+        want_kind = "dora" if self.spec.dora else "lora"
+        if f.kind != want_kind:
+            raise adapter_io.AdapterError(f"{path}: a {f.kind.upper()} adapter, and [lora].variant is {self.spec.variant!r}"
+                                          f" (set variant = \"{f.kind}\" to use it)")
         if f.rank != self.spec.rank:
             raise adapter_io.AdapterError(f"{path}: adapter rank {f.rank} differs from [lora].rank = {self.spec.rank}")
         want = self.spec.effective_alpha
@@ -92,7 +104,8 @@ class Trainable(native.Closeable):
             if f.tensors[t.name].shape != t.shape:
                 raise adapter_io.AdapterError(f"{path}: {t.name} has shape {f.tensors[t.name].shape}, expected {t.shape}")
         if reference and self.reference is None:
-            self.reference = native.Lora(self.model, self.spec.targets, self.spec.rank, self.spec.effective_alpha)
+            self.reference = native.Lora(self.model, self.spec.targets, self.spec.rank, self.spec.effective_alpha,
+                                         dora=self.spec.dora)
         for dst in (self.lora, self.reference) if reference else (self.lora,):
             for t in dst.tensors:
                 dst.write(t.index, f.tensors[t.name])

@@ -59,6 +59,28 @@ def atomic_open(path: str | os.PathLike, *, keep_partial: bool = False) -> Itera
     fsync_dir(path.parent)
 
 
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path for a writer that opens files itself (a GGUF writer): when the block ends
+    normally the file there is made durable and renamed over `path`; otherwise it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_name(path)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     """Replace `path` with `data` (str is written as UTF-8) atomically."""
     with atomic_open(path) as fh:

@@ -234,9 +234,9 @@ class LoraTensor:
 
 
 class Lora(_Handle):
-    """LoRA A/B tensors plus gradient and AdamW slots, living on the model's device."""
+    """LoRA A/B tensors (and DoRA's magnitudes) plus gradient and AdamW slots, on the model's device."""
 
-    def __init__(self, model: Model, targets: Iterable[str], rank: int, alpha: float) -> None:
+    def __init__(self, model: Model, targets: Iterable[str], rank: int, alpha: float, *, dora: bool = False) -> None:
         targets = list(targets)
         unknown = [t for t in targets if t not in TARGETS]
         if unknown:
@@ -248,8 +248,9 @@ class Lora(_Handle):
         self.targets = [t for t in TARGETS if t in targets]
         self.rank = rank
         self.alpha = alpha
+        self.dora = dora
         out = ffi.new("rg_lora **")
-        _check(lib.rg_lora_init(model._ptr, mask, rank, alpha, out))
+        _check(lib.rg_lora_init(model._ptr, mask, rank, alpha, lib.RG_LORA_DORA if dora else lib.RG_LORA_PLAIN, out))
         self._own(out[0], lib.rg_lora_free, model)
         self.scale = float(lib.rg_lora_scale(self._ptr))
         name = ffi.new("char **")
@@ -280,6 +281,33 @@ class Lora(_Handle):
     def state(self, slot: int = SLOT_PARAM) -> dict[str, np.ndarray]:
         return {t.name: self.read(t.index, slot) for t in self.tensors}
 
+    def reset_magnitude(self) -> None:
+        """DoRA: every magnitude becomes the row norm of W + scale B A for the current A and B."""
+        _check(lib.rg_lora_magnitude_reset(self._ptr))
+
+
+
+# ---- weight formats -----------------------------------------------------------------------
+def dequantize_rows(type_id: int, raw: np.ndarray, n_rows: int, n_per_row: int) -> np.ndarray:
+    """Rows of a GGUF tensor (its raw bytes, any ggml type number) as float32 [n_rows, n_per_row]."""
+    raw = np.ascontiguousarray(raw)
+    if raw.nbytes != lib.rg_rows_bytes(type_id, n_rows, n_per_row):
+        raise ValueError(f"{raw.nbytes} bytes are not {n_rows} rows of {n_per_row} values of ggml type {type_id}")
+    out = np.empty((n_rows, n_per_row), np.float32)
+    _check(lib.rg_rows_dequantize(type_id, ffi.from_buffer(raw), _ptr(out, "float *"), n_rows, n_per_row))
+    return out
+
+
+def quantize_rows(type_id: int, values: np.ndarray) -> np.ndarray:
+    """float32 [n_rows, n_per_row] in ggml type `type_id` by ggml's quantizer: the raw bytes, as uint8."""
+    v = np.ascontiguousarray(values, np.float32)
+    n_rows, n_per_row = v.shape
+    nbytes = lib.rg_rows_bytes(type_id, n_rows, n_per_row)
+    if nbytes == 0:
+        _check(lib.rg_rows_quantize(type_id, _ptr(v, "float *"), ffi.NULL, n_rows, n_per_row))   # names the problem
+    out = np.empty(nbytes, np.uint8)
+    _check(lib.rg_rows_quantize(type_id, _ptr(v, "float *"), ffi.from_buffer(out), n_rows, n_per_row))
+    return out.reshape(n_rows, nbytes // n_rows)
 
 
 # ---- batches ------------------------------------------------------------------------------

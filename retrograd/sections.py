@@ -40,6 +40,12 @@ class LoraSection:
                                    "carries the effective alpha", choices=("standard", "rslora"))
     dropout: float = opt(0.0, "LoRA dropout on the adapter's input while training (sft and distill; 0: off)",
                          min=0.0, max=0.9)
+    variant: str = opt("lora", "lora, or dora (a learned magnitude per output row; sft, distill and preference; "
+                               "exported as adapter.gguf for retrograd and merged.gguf for llama.cpp)",
+                       choices=("lora", "dora"))
+    merged_format: str = opt("f16", "dora: how merged.gguf stores the merged weights: f16 (faithful), q8_0 (half "
+                                    "the size) or base (each weight's own type; a 4-bit grid loses most of the change)",
+                             choices=("f16", "q8_0", "base"))
     targets: list = opt(list(TARGETS), "projections that get an adapter: q k v o gate up down")
     init_adapter: Path | None = opt(None, "start from this llama.cpp LoRA GGUF", path=True)
 

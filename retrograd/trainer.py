@@ -236,7 +236,21 @@ def _train(ctx: RunContext, trainer: Trainer, resume: Path | bool | None) -> dic
         trainer.metrics.append(rec)
     trainer.checkpoint_with_best(last)
     ctx.trainable.save_adapter(ctx.out / "adapter.gguf")
+    merged = export_merged(ctx, progress) if ctx.trainable.spec.dora else {}
     png = plot_run(ctx.out)
     return {"steps": trainer.global_step, "adapter": str(ctx.out / "adapter.gguf"), "metrics": str(trainer.metrics.path),
-            "plot": str(png) if png else None, "seconds": time.monotonic() - t0,
+            "plot": str(png) if png else None, "seconds": time.monotonic() - t0, **merged,
             **{k: v for k, v in last.items() if isinstance(v, float) and not np.isnan(v)}}
+
+
+def export_merged(ctx: RunContext, progress: Progress) -> dict:
+    """DoRA: llama.cpp cannot load the adapter, so the run also leaves the model with it merged in
+    ([lora].merged_format) and says how much of the trained change that format kept."""
+    from retrograd import adapter as adapter_io
+    from retrograd.generation.merge import write_merged
+
+    out = ctx.out / "merged.gguf"
+    fmt = ctx.cfg.lora.merged_format
+    report = write_merged(ctx.trainable.model_path, adapter_io.read(ctx.out / "adapter.gguf"), out, fmt)
+    progress.note(f"{out}: the model with the DoRA adapter merged in, for llama.cpp; {report.line(fmt)}")
+    return {"merged": str(out), "merged_kept": report.kept}

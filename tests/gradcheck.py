@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from retrograd import native
+
 
 def randomize_adapter(tr, seed, scale: float = 0.3) -> None:
     """Non-zero A and B everywhere, so every path of the LoRA gradient is exercised. seed: an int
@@ -30,3 +32,21 @@ def richardson(tr, t, value, i: int, h: float = 1e-2) -> float:
         return (up - down) / (2 * step)
 
     return (4 * d(h / 2) - d(h)) / 3
+
+
+def fd_check(tr, batch: native.Batch, coeff: np.ndarray, tensors, n_entries=5, h=1e-2, seed=0):
+    """Worst relative error between analytic and (Richardson-extrapolated) central differences."""
+    def loss():
+        return float(np.dot(coeff.astype(np.float64), tr.logprobs(batch).logp.astype(np.float64)))
+
+    tr.lora.zero(native.SLOT_GRAD)
+    tr.accumulate(batch, lambda inp: native.LossOutputs(coeff))
+    rng = np.random.default_rng(seed)
+    worst = 0.0
+    for t in tensors:
+        g = tr.lora.read(t.index, native.SLOT_GRAD).ravel()
+        idx = np.argsort(-np.abs(g))[:2].tolist() + rng.choice(g.size, n_entries, replace=False).tolist()
+        fd, an = np.array([richardson(tr, t, loss, i, h) for i in idx]), g[idx]
+        rel = np.linalg.norm(fd - an) / max(np.linalg.norm(fd), 1e-6)
+        worst = max(worst, rel)
+    return worst

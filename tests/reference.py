@@ -50,8 +50,9 @@ class RefModel:
         return cls(arch, hp, w)
 
     def set_lora(self, lora: dict[str, np.ndarray], scale: float, dropout: tuple[float, int] | None = None) -> None:
-        """lora maps '<weight>.lora_a' / '.lora_b' to numpy arrays shaped (r, n_in) / (n_out, r);
-        dropout = (p, seed) applies LoRA dropout's masks (dropout_mask) to the adapter's inputs."""
+        """lora maps '<weight>.lora_a' / '.lora_b' to numpy arrays shaped (r, n_in) / (n_out, r), and
+        for DoRA '<weight>.dora_m' to the magnitudes (n_out, 1); dropout = (p, seed) applies LoRA
+        dropout's masks (dropout_mask) to the adapter's inputs."""
         self.lora = lora
         self.lora_scale = scale
         self.dropout = dropout
@@ -65,7 +66,11 @@ class RefModel:
                 _, layer, kind, _ = name.split(".")
                 p, seed = self.dropout
                 xa = x * dropout_mask(seed, p, int(layer), TARGET_OF[kind], *x.shape)
-            y = y + self.lora_scale * ((xa @ lora[name + ".lora_a"].T) @ lora[name + ".lora_b"].T)
+            a, b = lora[name + ".lora_a"].astype(np.float64), lora[name + ".lora_b"].astype(np.float64)
+            y = y + self.lora_scale * ((xa @ a.T) @ b.T)
+            if name + ".dora_m" in lora:        # DoRA: rows of W + s B A rescaled to the magnitudes
+                norm = np.linalg.norm(self.w[name] + self.lora_scale * (b @ a), axis=1)
+                y = y * (lora[name + ".dora_m"][:, 0] / norm)
         b = name.replace(".weight", ".bias")
         if b in self.w:
             y = y + self.w[b]

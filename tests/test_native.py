@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import THREADS
-from gradcheck import randomize_adapter, richardson
+from gradcheck import fd_check, randomize_adapter
 from llama_ref import llama, next_token_logprobs
 from reference import RefModel, dropout_mask
 
@@ -147,24 +147,6 @@ def test_fresh_adapter_leaves_model_unchanged(tiny):
 
 
 # ---- gradients -----------------------------------------------------------------------------------
-def fd_check(tr: Trainable, batch: native.Batch, coeff: np.ndarray, tensors, n_entries=5, h=1e-2, seed=0):
-    """Worst relative error between analytic and (Richardson-extrapolated) central differences."""
-    def loss():
-        return float(np.dot(coeff.astype(np.float64), tr.logprobs(batch).logp.astype(np.float64)))
-
-    tr.lora.zero(native.SLOT_GRAD)
-    tr.accumulate(batch, lambda inp: native.LossOutputs(coeff))
-    rng = np.random.default_rng(seed)
-    worst = 0.0
-    for t in tensors:
-        g = tr.lora.read(t.index, native.SLOT_GRAD).ravel()
-        idx = np.argsort(-np.abs(g))[:2].tolist() + rng.choice(g.size, n_entries, replace=False).tolist()
-        fd, an = np.array([richardson(tr, t, loss, i, h) for i in idx]), g[idx]
-        rel = np.linalg.norm(fd - an) / max(np.linalg.norm(fd), 1e-6)
-        worst = max(worst, rel)
-    return worst
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_lora_gradients_match_finite_differences(tiny, arch):
     path = tiny(arch, n_layer=2, n_embd=32, n_head=4, n_head_kv=2, n_ff=48, n_vocab=270)

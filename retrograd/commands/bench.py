@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from retrograd import adapter as adapter_io
 from retrograd import rewards as rw
 from retrograd.commands import load_config, positive
 from retrograd.config import Config, tomllib
@@ -74,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
     positive(args, "limit")
     if cfg.run.algorithm in ("grpo", "ppo"):
         return run_rewards(args, cfg)
+    if args.adapter and Path(args.adapter).is_file():       # LoRA or DoRA: as the file says
+        with open(args.adapter, "rb") as fh:
+            cfg.lora.variant = adapter_io.kind_of(fh.read(65536))
     ctx = open_model(cfg, need_data=False)
     examples, source = eval_examples(ctx, args)
     if args.limit is not None:

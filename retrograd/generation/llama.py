@@ -19,8 +19,10 @@ from pathlib import Path
 import llama_cpp.llama_cpp as lc
 import numpy as np
 
+from retrograd import adapter as adapter_io
 from retrograd.data.tokenizer import Tokenizer, quiet_llama_logs
 from retrograd.errors import RetrogradError
+from retrograd.generation.sampling import SamplingParams, sample
 from retrograd.logs import log
 from retrograd.run_setup import resolve_threads
 
@@ -32,16 +34,6 @@ _libc.fclose.argtypes = [ctypes.c_void_p]
 
 class GenerationError(RetrogradError):
     """llama.cpp could not load a model, make a context or take an adapter."""
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 0
-    max_new_tokens: int = 256
-    seed: int = 0
-    stop: tuple[str, ...] = ()
 
 
 @dataclass
@@ -61,57 +53,6 @@ class Completion:
         return [*self.tokens, self.end_token], [*self.logprobs, self.end_logprob]
 
 
-def _fast_top_p() -> bool:
-    return os.environ.get("RETRO_FAST_TOP_P", "0") == "1"
-
-
-def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Token ids of the smallest most-probable set with mass >= top_p, most probable first, equal
-    probabilities by token id (what a full stable sort gives). Candidates are taken by partial
-    selection, growing until they hold the mass; all tokens tied with the last candidate are
-    included, so the result is exact. RETRO_FAST_TOP_P=1 skips the tie handling."""
-    n = len(probs)
-    k = 64
-    fast = _fast_top_p()
-    while k < n:
-        part = np.argpartition(-probs, k)[:k]
-        cutoff = probs[part].min()
-        cand = part if fast else np.nonzero(probs >= cutoff)[0]
-        if probs[cand].sum() >= top_p:
-            break
-        k *= 4
-    else:
-        cand = np.arange(n)
-    order = cand[np.lexsort((cand, -probs[cand]))]
-    cum = np.cumsum(probs[order])
-    return order[: int(np.searchsorted(cum, top_p)) + 1]
-
-
-def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> tuple[int, float]:
-    """Choose a token; return it and its log-probability under the model (temperature 1).
-
-    Top-p keeps the smallest set of most probable tokens whose mass reaches p (see _nucleus)."""
-    z = logits.astype(np.float64)
-    zmax = z.max()
-    logp_model = z - zmax - np.log(np.exp(z - zmax).sum())
-    if p.temperature <= 0:
-        tok = int(np.argmax(z))
-        return tok, float(logp_model[tok])
-    z = (z - zmax) / p.temperature
-    if p.top_k and p.top_k < len(z):
-        kth = np.partition(z, -p.top_k)[-p.top_k]
-        z = np.where(z >= kth, z, -np.inf)
-    probs = np.exp(z)
-    probs /= probs.sum()
-    if 0 < p.top_p < 1:
-        keep = _nucleus(probs, p.top_p)
-        kept = probs[keep] / probs[keep].sum()
-        tok = int(keep[rng.choice(len(keep), p=kept)])
-        return tok, float(logp_model[tok])
-    tok = int(rng.choice(len(probs), p=probs))
-    return tok, float(logp_model[tok])
-
-
 class Generator:
     """A llama.cpp model and context for generation, with an adapter slot."""
 
@@ -126,38 +67,69 @@ class Generator:
             native.select_device(device)
         self.path = Path(model_path)
         self.tokenizer = Tokenizer(self.path)
-        mp = lc.llama_model_default_params()
-        mp.n_gpu_layers = 0 if device == "cpu" else 999
-        self._model = lc.llama_model_load_from_file(str(self.path).encode(), mp)
-        if not self._model:
-            raise GenerationError(f"{self.path}: llama.cpp could not load the model")
         self.n_seq = max(1, n_seq)
+        self.n_ctx = n_ctx
+        self._threads = threads or resolve_threads()
+        self._gpu_layers = 0 if device == "cpu" else 999
+        self._adapter = None
+        self._merged: Path | None = None       # a DoRA adapter's merged model, when loaded instead
+        self._open(self.path)
+
+    def _open(self, path: Path) -> None:
+        """Load `path`'s weights with a fresh context (the tokenizer stays: a merged model has the same)."""
+        mp = lc.llama_model_default_params()
+        mp.n_gpu_layers = self._gpu_layers
+        self._model = lc.llama_model_load_from_file(str(path).encode(), mp)
+        if not self._model:
+            raise GenerationError(f"{path}: llama.cpp could not load the model")
         cp = lc.llama_context_default_params()
-        cp.n_ctx = n_ctx * self.n_seq
-        cp.n_batch = max(512, n_ctx)
+        cp.n_ctx = self.n_ctx * self.n_seq
+        cp.n_batch = max(512, self.n_ctx)
         cp.n_ubatch = 512
         cp.n_seq_max = self.n_seq
         cp.kv_unified = True     # sequences of a group share the prompt cells
-        cp.n_threads = cp.n_threads_batch = threads or resolve_threads()
+        cp.n_threads = cp.n_threads_batch = self._threads
         self._ctx = lc.llama_init_from_model(self._model, cp)
         if not self._ctx:
-            raise GenerationError(f"{self.path}: llama.cpp could not create a context of {cp.n_ctx} tokens")
-        self.n_ctx = n_ctx
-        log.info("generator %s: %d sequences x %d tokens, %s layers on the GPU", self.path.name, self.n_seq, n_ctx,
-                 "no" if mp.n_gpu_layers == 0 else "all")
+            lc.llama_model_free(self._model)
+            raise GenerationError(f"{path}: llama.cpp could not create a context of {cp.n_ctx} tokens")
+        log.info("generator %s: %d sequences x %d tokens, %s layers on the GPU", path.name, self.n_seq, self.n_ctx,
+                 "no" if self._gpu_layers == 0 else "all")
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
         self._mem = lc.llama_get_memory(self._ctx)
         self._batch_cap = max(512, self.n_seq)
         self._batch = lc.llama_batch_init(self._batch_cap, 0, 1)
-        self._adapter = None
         self._cache: list[int] = []    # tokens in sequence 0's KV cache, for prefix reuse
         # freed in this order when close() is called or the generator is collected (never twice)
         self._free = weakref.finalize(self, _free_llama, self._batch, self._ctx, self._model)
 
+    def _reopen(self, path: Path) -> None:
+        self._free()
+        self._open(path)
+
     # ---- adapters ------------------------------------------------------------------------------
     def set_adapter(self, data: bytes | None, scale: float = 1.0) -> None:
-        """Swap in an adapter from GGUF bytes (None switches it off)."""
+        """Swap in an adapter from GGUF bytes (None switches it off). A DoRA adapter cannot be applied by
+        llama.cpp: the generator loads the model with it merged in (F16, cached; generation/merge.py)
+        and loads the base again when switched back, so that switch reloads weights."""
         old = self._adapter
+        if data is not None and adapter_io.kind_of(data) == "dora":
+            from retrograd.generation.merge import merged_model
+
+            merged = merged_model(self.path, data)
+            if old is not None:
+                lc.llama_set_adapters_lora(self._ctx, None, 0, None)
+                lc.llama_adapter_lora_free(old)
+                self._adapter = None
+            if merged != self._merged:
+                self._reopen(merged)
+                self._merged = merged
+            self._cache = []
+            return
+        if self._merged is not None:
+            self._reopen(self.path)
+            self._merged = None
+            old = None                    # freed with the merged model's context
         if data is None:
             lc.llama_set_adapters_lora(self._ctx, None, 0, None)
             self._adapter = None
@@ -186,7 +158,7 @@ class Generator:
 
     @property
     def has_adapter(self) -> bool:
-        return self._adapter is not None
+        return self._adapter is not None or self._merged is not None
 
     # ---- decoding ----------------------------------------------------------------------------
     def _decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
