@@ -65,7 +65,8 @@ static struct ggml_tensor * linear(rg_graph_build * b, int il, int t, struct ggm
     if (b->matmul_mode == RG_MATMUL_F32 && w->type != GGML_TYPE_F32) {
         wq = ggml_cast(ctx, w, GGML_TYPE_F32);
     } else if (b->on_cpu && rg_use_f16_matmul(w->type, b->matmul_mode)) {
-        wq = rg_dequant_f16(ctx, w, false);
+        wq = rg_model_cached(b->model, w, false);
+        if (!wq) wq = rg_dequant_f16(ctx, w, false);
     }
     struct ggml_tensor * y = ggml_mul_mat(ctx, wq, x);
     if (b->lora && b->lora->pair_index[il][t] >= 0) {

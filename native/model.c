@@ -458,6 +458,7 @@ rg_status rg_model_init(const char * path, int device_index, int n_threads, rg_m
 
 void rg_model_free(rg_model * m) {
     if (!m) return;
+    rg_model_free_weight_cache(m);
     if (m->wbuf) ggml_backend_buffer_free(m->wbuf);
     if (m->map_addr) munmap(m->map_addr, m->map_size);
     if (m->backend_cpu && m->backend_cpu != m->backend) ggml_backend_free(m->backend_cpu);

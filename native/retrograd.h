@@ -107,6 +107,11 @@ rg_status rg_model_set_threads(rg_model * model, int n_threads);
 int       rg_model_tensor_count(const rg_model * model);
 rg_status rg_model_tensor_info(const rg_model * model, int index, const char ** name,
                                const char ** type_name, int64_t * ne /* [4] */);
+/* The F16 weight cache: persistent F16 copies of the quantized target weights, within budget_bytes
+ * (0 frees it), so training graphs on the CPU stop converting them per micro-batch; transposed
+ * copies (the backward's) first. The copies hold the numbers the on-the-fly conversion makes, so
+ * results do not change. used_bytes (may be NULL) receives what was allocated. */
+rg_status rg_model_set_weight_cache(rg_model * model, size_t budget_bytes, size_t * used_bytes);
 /* Input/output width of a LoRA target's base weight; RG_ERR_ARG if the layer lacks it. */
 rg_status rg_model_target_dims(const rg_model * model, int layer, int target,
                                int64_t * n_in, int64_t * n_out);

@@ -23,6 +23,7 @@ bool rg_is_base_weight(const rg_model * m, const struct ggml_tensor * t) {
 
 struct ggml_tensor * rg_base_weight_of(const rg_model * m, struct ggml_tensor * t) {
     while (t && !rg_is_base_weight(m, t)) {
+        if (t->op == GGML_OP_NONE) return rg_model_uncached(m, t);     /* a weight-cache copy, or not a weight */
         if (t->op != GGML_OP_CPY && t->op != GGML_OP_DUP && t->op != GGML_OP_CONT && t->op != GGML_OP_CUSTOM) return NULL;
         t = t->src[0];
     }
@@ -54,10 +55,12 @@ static struct ggml_tensor * transposed(rg_transposes * tc, struct ggml_context *
 }
 
 /* a base weight dequantized and transposed to F16, once per graph even when two products need it
- * (the input's gradient and, with DoRA, the gradient of A through W A^T) */
-static struct ggml_tensor * dequant_transposed(rg_transposes * dq, struct ggml_context * ctx, struct ggml_tensor * w) {
+ * (the input's gradient and, with DoRA, the gradient of A through W A^T), or read from the cache */
+static struct ggml_tensor * dequant_transposed(rg_transposes * dq, struct ggml_context * ctx, const rg_model * m,
+                                               struct ggml_tensor * w) {
     for (int i = 0; i < dq->n; i++) if (dq->src[i] == w) return dq->dst[i];
-    struct ggml_tensor * r = rg_dequant_f16(ctx, w, true);
+    struct ggml_tensor * r = rg_model_cached(m, w, true);   /* the weight cache's copy, else one made here */
+    if (!r) r = rg_dequant_f16(ctx, w, true);
     if (dq->n < 1024) {
         dq->src[dq->n] = w;
         dq->dst[dq->n++] = r;
@@ -147,7 +150,7 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
         if (w && w->type != GGML_TYPE_F32 && b->matmul_mode != RG_MATMUL_F32 && b->on_cpu) {
             /* a frozen base weight: dequantize, transpose to F16 (transient, freed after use);
              * F16 halves the copy and doubles the matmul speed against F32 (docs/architecture.md) */
-            x = w->type == GGML_TYPE_F16 ? transposed(&tc, ctx, w) : dequant_transposed(&dq, ctx, w);
+            x = w->type == GGML_TYPE_F16 ? transposed(&tc, ctx, w) : dequant_transposed(&dq, ctx, b->model, w);
         } else if (w) {
             /* F32 (or another device, where a cast is a ggml op the device can run) */
             x = ggml_cont(ctx, ggml_transpose(ctx, w->type == GGML_TYPE_F32 ? w : ggml_cast(ctx, w, GGML_TYPE_F32)));

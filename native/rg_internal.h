@@ -63,6 +63,11 @@ struct rg_model {
     int                     n_threads;
     struct ggml_tensor    * tok_embd, * output_norm, * output, * rope_freqs;
     rg_layer                layers[RG_MAX_LAYERS];
+    /* the F16 weight cache (wcache.c): [layer][target][0: as stored, 1: transposed], NULL if absent */
+    struct ggml_context   * cache_ctx;
+    ggml_backend_buffer_t   cache_buf;
+    struct ggml_tensor    * cache[RG_MAX_LAYERS][RG_N_TARGETS][2];
+    size_t                  cache_bytes;
     int64_t                 n_params;
     size_t                  weight_bytes;
 };
@@ -171,6 +176,11 @@ struct ggml_cgraph * rg_graph_reordered(struct ggml_context * ctx, struct ggml_c
                                         const rg_graph_build * b);
 
 struct ggml_tensor * rg_dequant_f16(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed);
+/* the weight cache (wcache.c): w's cached F16 copy (NULL: none); a cached copy's base weight (NULL:
+ * c is not one); freeing */
+struct ggml_tensor * rg_model_cached(const rg_model * m, const struct ggml_tensor * w, bool transposed);
+struct ggml_tensor * rg_model_uncached(const rg_model * m, const struct ggml_tensor * c);
+void                 rg_model_free_weight_cache(rg_model * m);
 /* dst [n0, n1, H] = sum over t of p[:, t, h / (H / Hp)] q[:, t, h]^T for p [n0, T, Hp], q [n1, T, H]
  * (outer.c); fits: F32, at most 3-D, each column contiguous */
 struct ggml_tensor * rg_outer_sum(struct ggml_context * ctx, struct ggml_tensor * p, struct ggml_tensor * q);

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from retrograd import native
 from retrograd.config import Config, ConfigError
 from retrograd.data import chat as chat_mod
 from retrograd.data import tokenizer as tok_mod
@@ -49,11 +50,14 @@ def open_model(cfg: Config, *, need_data: bool = True) -> RunContext:
     spec = LoraSpec(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.targets), cfg.lora.scaling, cfg.lora.variant)
     trainable = Trainable(model_path, spec, device=cfg.model.device, threads=resolve_threads(cfg), seed=cfg.run.seed)
     trainable.engine.set_recompute(cfg.training.activation_checkpointing)
+    cache_note = weight_cache(trainable, cfg.training.weight_cache_mb)
     if cfg.lora.init_adapter:
         trainable.load_adapter(Path(cfg.lora.init_adapter), reference=True)
     tok = tok_mod.load(str(model_path))
     chat = chat_mod.format_for(tok, cfg.model.chat_template)
     ctx = RunContext(cfg, run_dir(cfg), trainable, tok, chat)
+    if cache_note:
+        ctx.notes.append(cache_note)
     if chat.origin.startswith("fallback"):
         ctx.notes.append(f"{model_path.name} has no chat template; using the built-in {chat.origin[9:]} format")
     if cfg.lora.dropout > 0 and cfg.run.algorithm not in ("sft", "distill"):
@@ -62,6 +66,17 @@ def open_model(cfg: Config, *, need_data: bool = True) -> RunContext:
     if need_data and cfg.run.algorithm in ("sft", "distill"):   # the others read prompts or pairs themselves
         load_data(ctx)
     return ctx
+
+
+def weight_cache(trainable: Trainable, mib: int) -> str | None:
+    """[training].weight_cache_mb: the F16 copies, on the CPU; a line for the run's notes."""
+    if mib <= 0:
+        return None
+    try:
+        used = trainable.model.set_weight_cache(mib)
+    except native.NativeError as exc:       # another device: it converts with ggml's own ops
+        return f"[training].weight_cache_mb is not used: {exc}"
+    return f"weight cache: {used:.1f} MiB of F16 weights (budget {mib} MiB)"
 
 
 def load_data(ctx: RunContext) -> None:

@@ -211,6 +211,13 @@ class Model(_Handle):
         log.info("model %s: %s, %d layers, width %d, on %s, %d threads", self.path, self.info.arch, self.info.n_layer,
                  self.info.n_embd, self.device.name, self.info.n_threads)
 
+    def set_weight_cache(self, mib: int) -> float:
+        """Keep F16 copies of the quantized target weights within `mib` MiB (0: none); returns the MiB
+        used. Results are unchanged (the copies are what the per-micro-batch conversion makes)."""
+        used = ffi.new("size_t *")
+        _check(lib.rg_model_set_weight_cache(self._ptr, int(mib) << 20, used))
+        return used[0] / (1 << 20)
+
     def tensors(self) -> list[tuple[str, str, tuple[int, ...]]]:
         name, tname = ffi.new("char **"), ffi.new("char **")
         ne = ffi.new("int64_t[4]")

@@ -90,6 +90,8 @@ class TrainingSection:
                                     "the paper uses 5)", min=0.0)
     lora_plus_ratio: float = opt(1.0, "LoRA+: the B matrices learn at learning_rate x this (1: plain LoRA; "
                                       "the LoRA+ paper suggests 16)", min=0.0)
+    weight_cache_mb: int = opt(0, "MiB of F16 copies of the quantized base weights kept between micro-batches "
+                                  "(CPU; 0: convert per micro-batch); results are unchanged", min=0)
     activation_checkpointing: bool = opt(False, "recompute each layer's activations in the backward from its saved "
                                                 "input: memory grows with one layer's activations, not all of them, "
                                                 "for a second forward pass's time (long sequences)")

@@ -10,8 +10,11 @@ The machines this runs on drift in speed by a third within minutes, so with `--r
 sides alternate N times (ours, theirs, ours, ...) and the report gives each side's median and the
 median of the per-round ratios.
 
+With `--weight-cache-mb N` each round also runs retrograd with `[training].weight_cache_mb = N`
+(F16 copies of the base weights kept between micro-batches) and reports it beside the others.
+
     python scripts/bench_train.py [--model M] [--steps 5] [--rounds 3] [--baseline torch_lora_sft.py]
-                                  [--torch-python .venv-torch/bin/python]
+                                  [--torch-python .venv-torch/bin/python] [--weight-cache-mb 1024]
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ def main() -> None:
                     help="the PyTorch + PEFT baseline script (default: $RETRO_TORCH_BASELINE; without it the "
                          "comparison is skipped)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--weight-cache-mb", type=int, default=0,
+                    help="also run retrograd with this F16 weight cache each round (0: not)")
     args = ap.parse_args()
     from retrograd.models import default_model_path
 
@@ -52,18 +57,25 @@ def main() -> None:
     if bench is None or not bench.is_file() or not Path(args.torch_python).exists():
         skip = "--baseline not given" if bench is None else (
             f"{bench} missing" if not bench.is_file() else f"{args.torch_python} missing")
-    ours_runs, theirs_runs = [], []
-    for r in range(args.rounds):
+    ours_runs, theirs_runs, cached_runs = [], [], []
+
+    def retrograd(cache_mb: int) -> dict:
         out = subprocess.run([sys.executable, "-m", "retrograd.commands.profile_sft", model, str(args.seq),
-                              str(args.batch), str(args.steps), str(args.micro_batch_tokens)],
+                              str(args.batch), str(args.steps), str(args.micro_batch_tokens), str(cache_mb)],
                              capture_output=True, text=True, env=env)
         if out.returncode != 0:
             sys.exit(f"retrograd run failed:\n{out.stderr}")
-        ours = json.loads(out.stdout.strip().splitlines()[-1])
-        ours_runs.append(ours)
-        print(f"round {r + 1}: retrograd   {ours['tokens_s']:7.1f} tokens/s  step {ours['step_s']:.2f} s "
-              f"(median of {args.steps})  peak RSS {ours['rss_mb']:.0f} MiB", flush=True)
-        print("                     per step: " + ", ".join(f"{k} {v:.2f} s" for k, v in ours["phases_s"].items()))
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    for r in range(args.rounds):
+        for cache_mb, runs, label in ((0, ours_runs, "retrograd  "), (args.weight_cache_mb, cached_runs, "+ cache    ")):
+            if runs is cached_runs and not cache_mb:
+                continue
+            ours = retrograd(cache_mb)
+            runs.append(ours)
+            print(f"round {r + 1}: {label}{ours['tokens_s']:7.1f} tokens/s  step {ours['step_s']:.2f} s "
+                  f"(median of {args.steps})  peak RSS {ours['rss_mb']:.0f} MiB", flush=True)
+            print("                     per step: " + ", ".join(f"{k} {v:.2f} s" for k, v in ours["phases_s"].items()))
         if skip:
             continue
         out = subprocess.run([args.torch_python, str(bench), model, str(args.seq), str(args.batch), str(args.steps)],
@@ -79,6 +91,11 @@ def main() -> None:
     med = statistics.median
     ours_tps, ours_rss = med(o["tokens_s"] for o in ours_runs), max(o["rss_mb"] for o in ours_runs)
     print(f"retrograd   {ours_tps:7.1f} tokens/s (median of {len(ours_runs)} runs)  peak RSS {ours_rss:.0f} MiB")
+    if cached_runs:
+        gain = [c["tokens_s"] / o["tokens_s"] for c, o in zip(cached_runs, ours_runs)]
+        print(f"+ cache     {med(c['tokens_s'] for c in cached_runs):7.1f} tokens/s  peak RSS "
+              f"{max(c['rss_mb'] for c in cached_runs):.0f} MiB  ({med(gain):.2f}x without: "
+              f"{', '.join(f'{x:.2f}' for x in gain)})")
     if skip:
         print(f"torch+peft  skipped: {skip}")
         return

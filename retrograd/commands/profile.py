@@ -106,6 +106,8 @@ def parser() -> argparse.ArgumentParser:
     sft.add_argument("--rank", type=int, default=16, help="LoRA rank, alpha = 2 x rank (default 16)")
     sft.add_argument("--exact-ops", action="store_true",
                      help="ggml's own ops only (none of retrograd's fused kernels): the comparison point")
+    sft.add_argument("--weight-cache-mb", type=int, default=0,
+                     help="F16 weight cache in MiB, as [training].weight_cache_mb (default 0: none)")
     return ap
 
 
@@ -134,9 +136,13 @@ def _profile_sft(args: argparse.Namespace) -> int:
     steps = args.steps or 3
     tr = Trainable(model, LoraSpec(args.rank, 2.0 * args.rank), threads=threads, seed=0)
     tr.engine.set_exact_ops(args.exact_ops)
+    if args.weight_cache_mb < 0:
+        raise UsageError(f"--weight-cache-mb must be >= 0, got {args.weight_cache_mb}")
+    cached = tr.model.set_weight_cache(args.weight_cache_mb) if args.weight_cache_mb else 0.0
     report = profile_sft(tr, batch=args.batch, seq=args.seq, micro_batch_tokens=args.micro_batch_tokens,
                          steps=steps, threads=threads)
     report["exact_ops"] = args.exact_ops
+    report["weight_cache_mib"] = cached
     if args.json:
         print(json.dumps(report))
     else:

@@ -117,13 +117,16 @@ def print_report(r: dict, top: int = 30) -> None:
         print(f"  {phase:<9} {group:<14} {ms:8.1f} ms {100 * ms / total:5.1f}% {rate}")
 
 
-def timed_run(model: str, *, seq: int, batch: int, steps: int, micro_batch_tokens: int, rank: int = 16) -> dict:
+def timed_run(model: str, *, seq: int, batch: int, steps: int, micro_batch_tokens: int, rank: int = 16,
+              weight_cache_mb: int = 0) -> dict:
     """The benchmark scripts' side of a comparison, run in a process of its own so its peak RSS is
     its own: load, one warm-up step, `steps` timed steps; medians, per-phase seconds, peak RSS."""
     from retrograd.engine import LoraSpec, Trainable
 
     t_load = time.perf_counter()
     tr = Trainable(model, LoraSpec(rank, 2.0 * rank), seed=0)
+    if weight_cache_mb:
+        tr.model.set_weight_cache(weight_cache_mb)
     load_s = time.perf_counter() - t_load
     tokens = random_tokens(tr, batch, seq)
     sft_step(tr, tokens, micro_batch_tokens, 1)
@@ -141,9 +144,10 @@ def timed_run(model: str, *, seq: int, batch: int, steps: int, micro_batch_token
 
 
 
-if __name__ == "__main__":      # python -m retrograd.commands.profile_sft MODEL SEQ BATCH STEPS MB: one JSON line
+if __name__ == "__main__":      # python -m retrograd.commands.profile_sft MODEL SEQ BATCH STEPS MB [CACHE_MB]: one JSON line
     import json
     import sys
 
     m, seq_, batch_, steps_, mb_ = sys.argv[1], *map(int, sys.argv[2:6])
-    print(json.dumps(timed_run(m, seq=seq_, batch=batch_, steps=steps_, micro_batch_tokens=mb_)))
+    cache_ = int(sys.argv[6]) if len(sys.argv) > 6 else 0
+    print(json.dumps(timed_run(m, seq=seq_, batch=batch_, steps=steps_, micro_batch_tokens=mb_, weight_cache_mb=cache_)))
