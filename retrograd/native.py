@@ -295,6 +295,11 @@ class Lora(_Handle):
 
 
 # ---- weight formats -----------------------------------------------------------------------
+def rows_bytes(type_id: int, n_rows: int, n_per_row: int) -> int:
+    """Bytes of n_rows rows of n_per_row values in ggml type `type_id` (0: blocks do not fill a row)."""
+    return int(lib.rg_rows_bytes(type_id, n_rows, n_per_row))
+
+
 def dequantize_rows(type_id: int, raw: np.ndarray, n_rows: int, n_per_row: int) -> np.ndarray:
     """Rows of a GGUF tensor (its raw bytes, any ggml type number) as float32 [n_rows, n_per_row]."""
     raw = np.ascontiguousarray(raw)

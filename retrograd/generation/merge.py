@@ -81,8 +81,14 @@ def write_merged(base: Path, ad: adapter_io.AdapterFile, out: Path, fmt: str = "
     missing = names - {t.name for t in reader.tensors}
     if missing:
         raise RetrogradError(f"{base}: the adapter adapts {sorted(missing)[0]}, which the model does not have")
+    def kind_of(t) -> int:
+        kind = {"f16": _F16, "q8_0": _Q8_0, "base": int(t.tensor_type)}[fmt]
+        return _F16 if kind == _Q8_0 and int(t.shape[0]) % 32 else kind    # rows that do not fill Q8_0's blocks
+
     report = MergeReport()
     with atomic_path(out) as tmp:
+        # streamed: tensor infos first, then each merged weight computed, written and dropped, so
+        # memory holds one weight at a time whatever the model's size
         writer = gguf.GGUFWriter(str(tmp), arch)
         for key, f in reader.fields.items():
             if key.startswith("GGUF.") or key == "general.architecture":
@@ -90,27 +96,32 @@ def write_merged(base: Path, ad: adapter_io.AdapterFile, out: Path, fmt: str = "
             sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
         for t in reader.tensors:
+            if t.name in names:
+                n_out, n_in, kind = int(t.shape[1]), int(t.shape[0]), kind_of(t)
+                nbytes = native.rows_bytes(kind, n_out, n_in)
+                writer.add_tensor_info(t.name, (n_out, nbytes // n_out), np.dtype(np.uint8), nbytes,
+                                       raw_dtype=gguf.GGMLQuantizationType(kind))
+            else:
+                writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in reader.tensors:
             if t.name not in names:
-                writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+                writer.write_tensor_data(t.data)
                 continue
-            n_out, n_in = int(t.shape[1]), int(t.shape[0])
+            n_out, n_in, kind = int(t.shape[1]), int(t.shape[0]), kind_of(t)
             w = native.dequantize_rows(int(t.tensor_type), t.data, n_out, n_in)
             new = merged_weight(w, ad.tensors[t.name + ".lora_a"], ad.tensors[t.name + ".lora_b"],
                                 ad.tensors[t.name + ".dora_m"], ad.scale)
-            kind = {"f16": _F16, "q8_0": _Q8_0, "base": int(t.tensor_type)}[fmt]
-            if kind == _Q8_0 and n_in % 32:
-                kind = _F16             # rows that do not fill Q8_0's blocks of 32
             raw = native.quantize_rows(kind, new.astype(np.float32))
-            writer.add_tensor(t.name, raw, raw_dtype=gguf.GGMLQuantizationType(kind))
+            writer.write_tensor_data(raw)
             back = native.dequantize_rows(kind, raw, n_out, n_in).astype(np.float64)
             change = new - w
             report.tensors += 1
             report.change_sq += float(np.sum(change * change))
             report.error_sq += float(np.sum((back - new) ** 2))
             report.kept_dot += float(np.sum((back - w) * change))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
         writer.close()
     return report
 
