@@ -367,10 +367,24 @@ rg_status rg_engine_topk(rg_engine * e, rg_lora * lora, const rg_batch * batch, 
 }
 
 /* ---- training micro-batch --------------------------------------------------------------------- */
+/* RETRO_TRACE_NODES=1: every node computed on its own and named on stderr once done, so a crash in a
+ * device's driver (which runs command buffers on threads of its own) is placed at the node after
+ * the last one named (scripts/vk_opcheck.sh checks single ops) */
+bool rg_trace_nodes(void) {
+    static int on = -1;
+    if (on < 0) on = getenv("RETRO_TRACE_NODES") && strcmp(getenv("RETRO_TRACE_NODES"), "1") == 0;
+    return on == 1;
+}
+
 bool rg_engine_on_node(struct ggml_tensor * t, bool ask, void * user) {
     rg_run * r = user;
     rg_engine * pe = r->e;
-    if (ask) return pe->profiling || t == r->hidden;
+    if (ask) return pe->profiling || rg_trace_nodes() || t == r->hidden;
+    if (rg_trace_nodes()) {
+        fprintf(stderr, "retrograd: node done: %s %s [%lld,%lld,%lld,%lld]\n", ggml_op_desc(t), ggml_get_name(t),
+                (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2], (long long) t->ne[3]);
+        fflush(stderr);
+    }
     if (pe->profiling) {
         const double now = rg_now_ms();
         rg_profile_add(&pe->prof, pe->model, r->lora_rank, t, r->t_hidden > 0, now - pe->prof_last);
@@ -453,6 +467,7 @@ rg_status rg_engine_accumulate(rg_engine * e, rg_lora * lora, const rg_batch * b
     ggml_backend_sched_set_eval_callback(e->sched, rg_engine_on_node, &r);
     const enum ggml_status gs = ggml_backend_sched_graph_compute(e->sched, o->gf);
     ggml_backend_sched_set_eval_callback(e->sched, NULL, NULL);
+    if (rg_trace_nodes()) fprintf(stderr, "retrograd: training graph done (status %d)\n", (int) gs);
     const double t1 = rg_now_ms();
     if (r.t_hidden > 0) e->timings.backward_ms += t1 - r.t_hidden;
     if (r.status != RG_OK) {
@@ -481,6 +496,7 @@ static size_t opt_graph_size(const rg_lora * l) { return (size_t) rg_lora_tensor
 rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float * grad_norm_out) {
     const double t0 = rg_now_ms();
     if (p->step < 1) return rg_fail(RG_ERR_ARG, "AdamW step must be >= 1, got %lld", (long long) p->step);
+    if (rg_trace_nodes()) fprintf(stderr, "retrograd: optimizer step %lld\n", (long long) p->step);
     const int n = rg_lora_tensor_count(l);
     struct ggml_tensor ** grads = rg_malloc(sizeof(*grads) * 4 * (size_t) n, "the optimizer's tensor lists");
     if (!grads) return RG_ERR_NOMEM;
@@ -513,6 +529,7 @@ rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float 
         } else {
             ggml_backend_tensor_get(total, &sq, 0, sizeof(float));
         }
+        if (rg_trace_nodes()) fprintf(stderr, "retrograd: gradient norm^2 %g\n", (double) sq);
         ggml_free(ctx);
     }
     const float norm = sqrtf(sq) * fabsf(p->grad_scale);
@@ -555,6 +572,7 @@ rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float 
             if (ggml_backend_graph_compute(e->model->backend, gf) != GGML_STATUS_SUCCESS) {
                 st = rg_fail(RG_ERR_COMPUTE, "optimizer step failed");
             }
+            if (rg_trace_nodes()) fprintf(stderr, "retrograd: AdamW graph done\n");
         }
         ggml_free(ctx);
     }

@@ -146,8 +146,22 @@ static rg_status compute(rg_head * h, struct ggml_cgraph * gf) {
 }
 
 static rg_status run(rg_head * h, struct ggml_cgraph * gf) {
+    if (rg_trace_nodes()) {
+        for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
+            const struct ggml_tensor * t = ggml_graph_node(gf, i);
+            fprintf(stderr, "retrograd: LM head node: %s %s [%lld,%lld]%s\n", ggml_op_desc(t), ggml_get_name(t),
+                    (long long) t->ne[0], (long long) t->ne[1],
+                    ggml_backend_dev_supports_op(h->model->dev, t) ? "" : " (not supported by the device)");
+        }
+        fflush(stderr);
+    }
     if (ggml_backend_graph_compute(h->model->backend, gf) != GGML_STATUS_SUCCESS) {
         return rg_fail(RG_ERR_COMPUTE, "LM head: graph computation failed");
+    }
+    if (rg_trace_nodes()) {
+        ggml_backend_synchronize(h->model->backend);
+        fprintf(stderr, "retrograd: LM head graph done\n");
+        fflush(stderr);
     }
     return RG_OK;
 }
@@ -361,7 +375,10 @@ rg_status rg_head_backward(rg_head * h, struct ggml_tensor * hidden, struct ggml
             struct ggml_tensor * dflat = ggml_set_rows(ctx, ggml_reshape_2d(ctx, d, 1, (int64_t) V * n), sv, si);
             d = ggml_reshape_2d(ctx, dflat, V, n);
         }
-        struct ggml_tensor * dh = head_transpose_product(h, ctx, d, h->exact);
+        /* convert.c's op is a CPU kernel: another device casts with ggml's own ops (this graph runs on
+         * the model's backend as a whole, with no scheduler to move a node to the CPU) */
+        const bool own_kernel = !h->exact && h->model->backend == h->model->backend_cpu;
+        struct ggml_tensor * dh = head_transpose_product(h, ctx, d, !own_kernel);
         ridx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
         ggml_set_input(ridx);
         struct ggml_tensor * out = ggml_set_rows(ctx, ggml_view_tensor(ctx, grad_hidden), dh, ridx);

@@ -19,6 +19,8 @@
 /* errors ---------------------------------------------------------------------------------- */
 rg_status rg_fail(rg_status status, const char * fmt, ...) __attribute__((format(printf, 2, 3)));
 double    rg_now_ms(void);
+/* RETRO_TRACE_NODES=1: graphs name their nodes on stderr as they run (engine.c) */
+bool      rg_trace_nodes(void);
 
 /* Running out of host memory is reported as a compute failure (see retrograd.h). */
 #define RG_ERR_NOMEM RG_ERR_COMPUTE
