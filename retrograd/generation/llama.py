@@ -122,7 +122,12 @@ class Generator:
                 lc.llama_adapter_lora_free(old)
                 self._adapter = None
             if merged != self._merged:
-                self._reopen(merged)
+                try:
+                    self._reopen(merged)
+                except GenerationError:
+                    self._open(self.path)       # keep a working generator: the base model
+                    self._merged = None
+                    raise
                 self._merged = merged
             self._cache = []
             return
