@@ -239,6 +239,48 @@ static long run_case(const op_case * c, ggml_backend_t be, float * out, size_t c
     return (long) k;
 }
 
+/* the engine's gradient accumulation: the training graph adds each gradient in place into a tensor
+ * of the adapter's own buffer (ggml_build_backward_expand with grad_accs), through ggml_backend_sched
+ * with the device and the CPU; returns the accumulator's sum after one run (the CPU alone: 0) */
+static double accumulate_in_place(ggml_backend_t dev, ggml_backend_t cpu, bool use_sched) {
+    struct ggml_init_params ip_acc = { ggml_tensor_overhead() * 4, NULL, true };
+    struct ggml_context * actx = ggml_init(ip_acc);
+    struct ggml_tensor * acc = ggml_new_tensor_2d(actx, GGML_TYPE_F32, E, R);
+    ggml_backend_buffer_t abuf = ggml_backend_alloc_ctx_tensors(actx, dev);
+    ggml_backend_buffer_clear(abuf, 0);
+    struct ggml_init_params ip = { ggml_tensor_overhead() * 64 + ggml_graph_overhead(), NULL, true };
+    struct ggml_context * ctx = ggml_init(ip);
+    struct ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, E, R);
+    ggml_set_input(x);
+    struct ggml_tensor * y = ggml_add_inplace(ctx, acc, ggml_scale(ctx, x, 2.0f));
+    struct ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, y);
+    float * v = malloc(sizeof(float) * E * R);
+    for (int i = 0; i < E * R; i++) v[i] = 1.0f;
+    if (use_sched) {
+        ggml_backend_t bes[2] = { dev, cpu };
+        ggml_backend_sched_t sched = ggml_backend_sched_new(bes, NULL, 2, 256, false, true);
+        ggml_backend_sched_alloc_graph(sched, gf);
+        ggml_backend_tensor_set(x, v, 0, sizeof(float) * E * R);
+        ggml_backend_sched_graph_compute(sched, gf);
+        ggml_backend_sched_free(sched);
+    } else {
+        ggml_gallocr_t ga = ggml_gallocr_new(ggml_backend_get_default_buffer_type(dev));
+        ggml_gallocr_alloc_graph(ga, gf);
+        ggml_backend_tensor_set(x, v, 0, sizeof(float) * E * R);
+        ggml_backend_graph_compute(dev, gf);
+        ggml_gallocr_free(ga);
+    }
+    ggml_backend_tensor_get(acc, v, 0, sizeof(float) * E * R);
+    double sum = 0;
+    for (int i = 0; i < E * R; i++) sum += v[i];
+    free(v);
+    ggml_free(ctx);
+    ggml_backend_buffer_free(abuf);
+    ggml_free(actx);
+    return sum;
+}
+
 int main(int argc, char ** argv) {
     if (argc > 1) T = atoi(argv[1]);
     ggml_backend_load_all();
@@ -285,5 +327,13 @@ int main(int argc, char ** argv) {
         if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) bad++;
     }
     printf("%d of %zu cases differ or crash\n", bad, sizeof(k_cases) / sizeof(k_cases[0]));
+    {
+        ggml_backend_t cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, NULL);
+        ggml_backend_t dev = ggml_backend_dev_init(gpu, NULL);
+        const double want = 2.0 * E * R;
+        const double plain = accumulate_in_place(dev, cpu, false), sched = accumulate_in_place(dev, cpu, true);
+        printf("  in-place add into an accumulator of another buffer: graph %g, scheduler %g (want %g)\n", plain, sched, want);
+        if (plain != want || sched != want) bad++;
+    }
     return bad ? 1 : 0;
 }
