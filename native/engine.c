@@ -381,8 +381,10 @@ bool rg_engine_on_node(struct ggml_tensor * t, bool ask, void * user) {
     rg_engine * pe = r->e;
     if (ask) return pe->profiling || rg_trace_nodes() || t == r->hidden;
     if (rg_trace_nodes()) {
-        fprintf(stderr, "retrograd: node done: %s %s [%lld,%lld,%lld,%lld]\n", ggml_op_desc(t), ggml_get_name(t),
-                (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2], (long long) t->ne[3]);
+        ggml_backend_t where = ggml_backend_sched_get_tensor_backend(pe->sched, t);
+        fprintf(stderr, "retrograd: node done: %s %s [%lld,%lld,%lld,%lld] on %s\n", ggml_op_desc(t), ggml_get_name(t),
+                (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2], (long long) t->ne[3],
+                where ? ggml_backend_name(where) : "?");
         fflush(stderr);
     }
     if (pe->profiling) {
