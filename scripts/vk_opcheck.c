@@ -166,6 +166,13 @@ static struct ggml_tensor * c_grad_norm_420(struct ggml_context * ctx, struct gg
     return total;
 }
 
+static struct ggml_tensor * c_repeat_scalar(struct ggml_context * ctx, struct ggml_tensor ** in, int * n) {
+    /* the surrogate loss's backward: the unit gradient of a sum, repeated over [E, T] and multiplied */
+    struct ggml_tensor * one = input(ctx, in, n, 1, 1, 1);
+    struct ggml_tensor * g = input(ctx, in, n, E, T, 1);
+    return ggml_mul(ctx, ggml_repeat(ctx, one, g), g);
+}
+
 typedef struct { const char * name; build_fn fn; bool backward; } op_case;
 
 static const op_case k_cases[] = {
@@ -179,6 +186,7 @@ static const op_case k_cases[] = {
     { "SILU_BACK", c_silu_back, false },
     { "SWIGLU (split)", c_swiglu, false },
     { "REPEAT_BACK", c_repeat_back, false },
+    { "REPEAT of a scalar, then MUL", c_repeat_scalar, false },
     { "CONT (permuted)", c_cont_permute, false },
     { "MUL_MAT (permuted heads)", c_mul_mat_heads, false },
     { "attention + autodiff backward", c_add_back_chain, true },
