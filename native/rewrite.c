@@ -36,36 +36,40 @@ static bool is_dead(const rg_graph_build * b, const struct ggml_tensor * t) {
     return false;
 }
 
-/* cont(transpose(t)), made once per source even when several products need it (the input of
- * q, k and v is one tensor) */
+/* per-graph copies made once per source even when several products need them: cont(transpose(t))
+ * (the input of q, k and v is one tensor), and a base weight dequantized and transposed to F16
+ * (the input's gradient and, with DoRA, the gradient of A through W A^T) */
 typedef struct {
     struct ggml_tensor * src[1024];
     struct ggml_tensor * dst[1024];
     int                  n;
 } rg_transposes;
 
-static struct ggml_tensor * transposed(rg_transposes * tc, struct ggml_context * ctx, struct ggml_tensor * t) {
-    for (int i = 0; i < tc->n; i++) if (tc->src[i] == t) return tc->dst[i];
-    struct ggml_tensor * r = ggml_cont(ctx, ggml_transpose(ctx, t));
-    if (tc->n < 1024) {
-        tc->src[tc->n] = t;
-        tc->dst[tc->n++] = r;
+static struct ggml_tensor * memo_find(const rg_transposes * c, const struct ggml_tensor * t) {
+    for (int i = 0; i < c->n; i++) if (c->src[i] == t) return c->dst[i];
+    return NULL;
+}
+
+static struct ggml_tensor * memo_keep(rg_transposes * c, struct ggml_tensor * t, struct ggml_tensor * r) {
+    if (c->n < 1024) {
+        c->src[c->n] = t;
+        c->dst[c->n++] = r;
     }
     return r;
 }
 
-/* a base weight dequantized and transposed to F16, once per graph even when two products need it
- * (the input's gradient and, with DoRA, the gradient of A through W A^T), or read from the cache */
+static struct ggml_tensor * transposed(rg_transposes * tc, struct ggml_context * ctx, struct ggml_tensor * t) {
+    struct ggml_tensor * r = memo_find(tc, t);
+    return r ? r : memo_keep(tc, t, ggml_cont(ctx, ggml_transpose(ctx, t)));
+}
+
+/* the weight cache's transposed copy, else one made in this graph */
 static struct ggml_tensor * dequant_transposed(rg_transposes * dq, struct ggml_context * ctx, const rg_model * m,
                                                struct ggml_tensor * w) {
-    for (int i = 0; i < dq->n; i++) if (dq->src[i] == w) return dq->dst[i];
-    struct ggml_tensor * r = rg_model_cached(m, w, true);   /* the weight cache's copy, else one made here */
-    if (!r) r = rg_dequant_f16(ctx, w, true);
-    if (dq->n < 1024) {
-        dq->src[dq->n] = w;
-        dq->dst[dq->n++] = r;
-    }
-    return r;
+    struct ggml_tensor * r = memo_find(dq, w);
+    if (r) return r;
+    r = rg_model_cached(m, w, true);
+    return memo_keep(dq, w, r ? r : rg_dequant_f16(ctx, w, true));
 }
 
 /* whether t depends on no graph input (tokens, positions, masks, the head's gradient): a weight,

@@ -3,15 +3,13 @@
  * training graph stops converting every quantized weight twice per micro-batch (forward and,
  * transposed, backward: about a tenth of an SFT step on the default model, docs/benchmarks.md).
  *
- * The base never changes, so the copies are made once and stay valid; they are the numbers
- * convert.c's op would produce (the same to_float and the same F32 -> F16 rounding), so a graph
- * that reads them computes bit for bit what it computed before. Within a byte budget, transposed
+ * The base never changes, so the copies are made once and stay valid; convert.c's op makes them,
+ * so a graph that reads them computes bit for bit what it computed before. Within a byte budget, transposed
  * copies come first (the backward's conversion is the dearer one), then forward ones, layer by
  * layer. CPU only: on another device the graph casts with ggml's own ops.
  */
 #include "rg_internal.h"
 
-#include <stdlib.h>
 #include <string.h>
 
 static void free_cache(rg_model * m) {
@@ -30,25 +28,31 @@ static bool converted(const struct ggml_tensor * w, bool transposed) {
     return transposed || rg_use_f16_matmul(w->type, RG_MATMUL_AUTO);
 }
 
-/* w as F16 into dst (host memory), transposed or not: the conversion convert.c's op performs */
-static rg_status fill(const struct ggml_tensor * w, struct ggml_tensor * dst, bool transposed) {
-    const int64_t n_in = w->ne[0], n_out = w->ne[1];
-    const ggml_to_float_t to_float = ggml_get_type_traits(w->type)->to_float;
-    float * row = rg_malloc(sizeof(float) * (size_t) n_in, "the weight cache");
-    ggml_fp16_t * half = row ? rg_malloc(sizeof(ggml_fp16_t) * (size_t) n_in, "the weight cache") : NULL;
-    if (!half) {
-        free(row);
-        return RG_ERR_NOMEM;
+/* every copy made by convert.c's own op (the conversion the graph would otherwise run), copied into
+ * the cache: one graph on the CPU backend, its transients reused by the allocator */
+static rg_status fill(rg_model * m) {
+    const size_t n = (size_t) m->hp.n_layer * RG_N_TARGETS * 2;
+    struct ggml_init_params ip = { ggml_tensor_overhead() * (2 * n + 1) + ggml_graph_overhead_custom(2 * n + 1, false),
+                                   NULL, true };
+    struct ggml_context * ctx = ggml_init(ip);
+    if (!ctx) return rg_fail(RG_ERR_NOMEM, "out of host memory for the weight cache's graph");
+    struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, 2 * n + 1, false);
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        for (int t = 0; t < RG_N_TARGETS; t++) {
+            for (int tr = 0; tr < 2; tr++) {
+                struct ggml_tensor * c = m->cache[il][t][tr];
+                if (c) ggml_build_forward_expand(gf, ggml_cpy(ctx, rg_dequant_f16(ctx, m->layers[il].w[t], tr == 1), c));
+            }
+        }
     }
-    ggml_fp16_t * out = dst->data;
-    for (int64_t o = 0; o < n_out; o++) {
-        to_float((const char *) w->data + o * w->nb[1], row, n_in);
-        ggml_cpu_fp32_to_fp16(row, transposed ? half : out + o * n_in, n_in);
-        if (transposed) for (int64_t i = 0; i < n_in; i++) out[i * n_out + o] = half[i];
+    ggml_gallocr_t ga = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
+    rg_status st = RG_OK;
+    if (!ga || !ggml_gallocr_alloc_graph(ga, gf) || ggml_backend_graph_compute(m->backend_cpu, gf) != GGML_STATUS_SUCCESS) {
+        st = rg_fail(RG_ERR_COMPUTE, "could not fill the weight cache");
     }
-    free(half);
-    free(row);
-    return RG_OK;
+    if (ga) ggml_gallocr_free(ga);
+    ggml_free(ctx);
+    return st;
 }
 
 rg_status rg_model_set_weight_cache(rg_model * m, size_t budget_bytes, size_t * used_bytes) {
@@ -87,17 +91,10 @@ rg_status rg_model_set_weight_cache(rg_model * m, size_t budget_bytes, size_t * 
         free_cache(m);
         return rg_fail(RG_ERR_NOMEM, "could not allocate the weight cache (%.0f MiB)", (double) total / (1 << 20));
     }
-    for (int il = 0; il < m->hp.n_layer; il++) {
-        for (int t = 0; t < RG_N_TARGETS; t++) {
-            for (int tr = 0; tr < 2; tr++) {
-                if (!m->cache[il][t][tr]) continue;
-                rg_status st = fill(m->layers[il].w[t], m->cache[il][t][tr], tr == 1);
-                if (st) {
-                    free_cache(m);
-                    return st;
-                }
-            }
-        }
+    rg_status st = fill(m);
+    if (st) {
+        free_cache(m);
+        return st;
     }
     m->cache_bytes = total;
     if (used_bytes) *used_bytes = total;

@@ -65,7 +65,7 @@ def merged_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, m: np.ndarray, sc
     return v * (m.astype(np.float64) / np.linalg.norm(v, axis=1, keepdims=True))
 
 
-def write_merged(base: Path, ad: adapter_io.AdapterFile, out: Path, fmt: str = "base") -> MergeReport:
+def write_merged(base: Path, ad: adapter_io.AdapterFile, out: Path, fmt: str = FORMATS[0]) -> MergeReport:
     """Write base with ad merged in (atomically) and report what the format kept."""
     import gguf
 
