@@ -253,6 +253,18 @@ static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, int kind
     free(accs);
     o->loss_grad = ggml_graph_get_grad_acc(gf, loss);
     ggml_set_input(o->loss_grad);
+    if (!o->b.on_cpu) {
+        /* grad_hidden is written by the eval callback at `hidden`, which ggml cannot see: a device
+         * backend that reorders its graph (ggml-vulkan's graph_optimize) may hoist the backward's
+         * first product, which reads only inputs, above `hidden` and read grad_hidden before the
+         * head wrote it. Adding 0 x one element of `hidden` makes the order a data dependency;
+         * built after the backward, so it has no gradient of its own. */
+        struct ggml_tensor * after = ggml_scale(o->ctx, ggml_view_1d(o->ctx, hidden, 1, 0), 0.0f);
+        struct ggml_tensor * gh = ggml_add(o->ctx, o->grad_hidden, after);
+        ggml_set_name(gh, "grad_hidden (after the head)");
+        o->b.subst_from[o->b.n_subst] = o->grad_hidden;
+        o->b.subst_to[o->b.n_subst++] = gh;
+    }
     o->gf = rg_graph_rewrite(&o->b, gf, e->graph_size);
     e->timings.build_ms += rg_now_ms() - t0;
     return RG_OK;
@@ -596,6 +608,7 @@ void rg_engine_profile_reset(rg_engine * e) { rg_profile_reset(&e->prof); }
 rg_status rg_engine_preflight(rg_engine * e, rg_lora * lora, int32_t n_tokens, int * n_unsupported) {
     if (n_unsupported) *n_unsupported = 0;
     e->pre_n = 0;
+    e->slow_n = 0;
     if (n_tokens <= 0) return rg_fail(RG_ERR_ARG, "preflight needs a positive token count");
     rg_built o;
     rg_status st = build(e, lora, n_tokens, lora != NULL ? RG_BUILD_TRAIN : RG_BUILD_FORWARD, false, false, &o);
@@ -618,6 +631,7 @@ rg_status rg_engine_preflight(rg_engine * e, rg_lora * lora, int32_t n_tokens, i
         e->pre_n++;
     }
     if (n_unsupported) *n_unsupported = total;
+    rg_preflight_slow_paths(e, o.gf);
     ggml_free(o.ctx);
     return RG_OK;
 }

@@ -27,6 +27,10 @@ struct rg_engine {
     int                  pre_n;
     int                  pre_count[RG_OP_KEYS];
     const char         * pre_name[RG_OP_KEYS];
+    /* and its slow paths (preflight.c): kinds with their node counts */
+    int                  slow_n;
+    int                  slow_kind[8];
+    int                  slow_count[8];
     rg_timings           timings;
 };
 
@@ -83,5 +87,8 @@ struct ggml_tensor * rg_engine_grad_of_param(const rg_lora * l, const struct ggm
 /* the micro-batch's gradient with each layer's activations recomputed in the backward (recompute.c) */
 rg_status rg_engine_accumulate_recompute(rg_engine * e, rg_lora * lora, const rg_batch * batch, rg_coeff_fn fn,
                                          void * user, int want_entropy, int want_hidden, float * logp_out);
+
+/* preflight.c: the slow paths of a built training graph, kept in the engine */
+void rg_preflight_slow_paths(rg_engine * e, struct ggml_cgraph * gf);
 
 #endif

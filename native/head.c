@@ -26,6 +26,10 @@
 
 struct rg_head {
     rg_model            * model;
+    /* the backend the head's graphs run on: the model's on the CPU; on another device an instance
+     * of its own, because the head runs inside the training graph's eval callback and graphs of a
+     * second owner on the scheduler's Vulkan instance corrupted memory on lavapipe (issue 14) */
+    ggml_backend_t        backend;
     ggml_gallocr_t        galloc;
     /* softmax store: P [n_vocab, cap] */
     struct ggml_context * store_ctx;
@@ -47,8 +51,10 @@ rg_head * rg_head_new(rg_model * model) {
     rg_head * h = rg_calloc(1, sizeof(*h), "the LM head");
     if (!h) return NULL;
     h->model = model;
-    h->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(model->backend));
+    h->backend = model->backend == model->backend_cpu ? model->backend : ggml_backend_dev_init(model->dev, NULL);
+    h->galloc = h->backend ? ggml_gallocr_new(ggml_backend_get_default_buffer_type(model->backend)) : NULL;
     if (!h->galloc) {
+        if (h->backend && h->backend != model->backend) ggml_backend_free(h->backend);
         free(h);
         rg_fail(RG_ERR_NOMEM, "could not create the LM head's graph allocator");
         return NULL;
@@ -70,6 +76,7 @@ void rg_head_free(rg_head * h) {
     if (!h) return;
     free_store(h);
     ggml_gallocr_free(h->galloc);
+    if (h->backend != h->model->backend) ggml_backend_free(h->backend);
     free(h->rows);
     free(h->col_of_target);
     free(h);
@@ -155,11 +162,11 @@ static rg_status run(rg_head * h, struct ggml_cgraph * gf) {
         }
         fflush(stderr);
     }
-    if (ggml_backend_graph_compute(h->model->backend, gf) != GGML_STATUS_SUCCESS) {
+    if (ggml_backend_graph_compute(h->backend, gf) != GGML_STATUS_SUCCESS) {
         return rg_fail(RG_ERR_COMPUTE, "LM head: graph computation failed");
     }
     if (rg_trace_nodes()) {
-        ggml_backend_synchronize(h->model->backend);
+        ggml_backend_synchronize(h->backend);
         fprintf(stderr, "retrograd: LM head graph done\n");
         fflush(stderr);
     }

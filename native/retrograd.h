@@ -246,6 +246,11 @@ int       rg_engine_preflight_count(const rg_engine * engine);
 /* op: the op's name (static storage); count: its unsupported nodes. RG_ERR_ARG out of range. */
 rg_status rg_engine_preflight_get(const rg_engine * engine, int index, const char ** op,
                                   int * count);
+/* The same preflight's slow paths: nodes the device runs, through a route known to be slower than
+ * the CPU build's. what and reason are static strings; count: the nodes (or head slices). */
+int       rg_engine_slow_path_count(const rg_engine * engine);
+rg_status rg_engine_slow_path_get(const rg_engine * engine, int index, const char ** what, int * count,
+                                  const char ** reason);
 void      rg_engine_get_timings(const rg_engine * engine, rg_timings * out);
 /* Per-op profiling of training graphs (slower: every node is computed on its own). The tallies
  * add up over accumulate calls until reset, per phase (forward up to the hidden state, then the

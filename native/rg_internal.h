@@ -127,8 +127,8 @@ typedef struct {
     /* after the backward is built, consumers of subst_from[i] read subst_to[i] instead: the
      * forward value then comes from llama.cpp's own fused op (bit-equal outputs) while the
      * gradient comes from the composite that has a backward */
-    struct ggml_tensor * subst_from[RG_MAX_LAYERS];
-    struct ggml_tensor * subst_to[RG_MAX_LAYERS];
+    struct ggml_tensor * subst_from[RG_MAX_LAYERS + 1];
+    struct ggml_tensor * subst_to[RG_MAX_LAYERS + 1];
     int                  n_subst;
     char                 error[256];
 } rg_graph_build;

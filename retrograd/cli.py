@@ -138,12 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("preflight", help="list the training-graph ops the device cannot run",
                        description="Build the training graph without running it and list the operations the device "
-                                   "cannot run (they fall back to the CPU and slow every step). The same check runs "
-                                   "at the start of every training run.")
+                                   "cannot run (they fall back to the CPU and slow every step), then the slow paths: "
+                                   "nodes the device runs through a route known to cost more than the CPU build's, "
+                                   "each with the reason. The same check runs at the start of every training run.")
     _common(p, config=False)
     p.add_argument("--targets", default="q,k,v,o,gate,up,down", metavar="q,k,v",
                    help="LoRA targets (default: all seven)")
-    p.add_argument("--strict", action="store_true", help="exit with an error if any op is unsupported")
+    p.add_argument("--strict", action="store_true",
+                   help="exit with an error if any op is unsupported (slow paths are reported, not errors)")
     p.add_argument("--tokens", type=int, default=512, metavar="N", help="micro-batch size of the graph (default 512)")
 
     p = sub.add_parser("models", help="fetch the embedded default model (and the test models)",

@@ -93,6 +93,10 @@ def preflight_check(ctx: RunContext, note) -> None:
     stay on the device ([training].require_gpu_resident or RETRO_REQUIRE_GPU_RESIDENT=1)."""
     cfg = ctx.cfg
     unsupported = ctx.trainable.engine.preflight(ctx.trainable.lora, cfg.training.micro_batch_tokens)
+    slow = ctx.trainable.engine.slow_paths()
+    if slow:
+        note("slow paths on this device (retrograd preflight says why): "
+             + ", ".join(f"{what} x{n}" for what, n, _ in slow))
     if not unsupported:
         return
     listing = ", ".join(f"{op} x{n}" for op, n in unsupported.items())

@@ -511,6 +511,16 @@ class Engine(_Handle):
             out[ffi.string(op[0]).decode()] = int(count[0])
         return out
 
+    def slow_paths(self) -> list[tuple[str, int, str]]:
+        """The last preflight's slow paths: (what, nodes, why) for routes the device runs but that
+        cost more than the CPU build's (its CPU-only kernels unavailable, or an F32 mode)."""
+        what, count, why = ffi.new("char **"), ffi.new("int *"), ffi.new("char **")
+        out = []
+        for i in range(lib.rg_engine_slow_path_count(self._ptr)):
+            _check(lib.rg_engine_slow_path_get(self._ptr, i, what, count, why))
+            out.append((ffi.string(what[0]).decode(), int(count[0]), ffi.string(why[0]).decode()))
+        return out
+
     def set_profiling(self, on: bool) -> None:
         lib.rg_engine_set_profiling(self._ptr, int(on))
 

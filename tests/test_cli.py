@@ -64,6 +64,7 @@ def test_inspect_gemma(gemma):
 def test_preflight_and_missing_model(smollm, tmp_path):
     out = cli("preflight", "--model", str(smollm), "--targets", "q,v", "--strict")
     assert out.returncode == 0 and "every op of the training graph" in out.stdout
+    assert "slow paths" not in out.stdout, out.stdout      # the CPU build's own route for every op
     out = cli("preflight", "--model", str(tmp_path / "nope.gguf"))
     assert out.returncode == 1 and "no such model file" in out.stderr and "Traceback" not in out.stderr
     out = cli("preflight", "--model", str(smollm), "--targets", "q,zz")

@@ -561,3 +561,24 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny, arch):
     scale = max(float(np.abs(g).max()) for g in g1)
     for t, a, c in zip(tr.lora.tensors, g1, g2):
         np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-5 * scale, err_msg=t.name)
+
+
+def test_preflight_names_the_f32_route_as_a_slow_path(tiny):
+    """The CPU build's default route has no slow path; the F32 matmul mode dequantizes every
+    quantized base weight the gradient passes through, and preflight says so with the reason."""
+    m = native.Model(tiny("llama", qtype="Q8_0"), threads=THREADS)
+    e = native.Engine(m)
+    lora = native.Lora(m, ["q", "v"], 4, 8.0)
+    try:
+        assert e.preflight(lora, 32) == {} and e.slow_paths() == []
+        e.set_matmul_mode("f32")
+        assert e.preflight(lora, 32) == {}
+        slow = {what: (n, why) for what, n, why in e.slow_paths()}
+        n, why = slow["base weight -> F32 transposed copy"]
+        assert n >= 2 * 7 and "every micro-batch" in why      # 2 layers x 7 projections at least
+        e.preflight(None, 32)                                  # the forward graph: no backward
+        assert "base weight -> F32 transposed copy" in {w for w, _, _ in e.slow_paths()}
+    finally:
+        lora.close()
+        e.close()
+        m.close()
