@@ -1,5 +1,5 @@
 /*
- * convert.c - quantized weight -> F16, optionally transposed, in one pass.
+ * convert.c - quantized weight -> F16 or BF16, optionally transposed, in one pass.
  *
  * ggml's CPU backend cannot copy a quantized tensor to F16 directly, so the obvious route goes
  * through an F32 tensor twice the size of the result; for the backward the transposed copy is also
@@ -24,11 +24,15 @@ static void row_span_f32(const struct ggml_tensor * w, const void * row, int64_t
     }
 }
 
+static void to_bf16(const float * x, ggml_fp16_t * y, int64_t n) { ggml_cpu_fp32_to_bf16(x, (ggml_bf16_t *) y, n); }
+
 /* The scratch lives on the stack (48 KiB per thread), so the op allocates nothing and cannot fail
  * inside the graph computation. */
-static void dequant_f16(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+static void dequant_half(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     const struct ggml_tensor * w = dst->src[0];
     const bool transposed = userdata != NULL;
+    /* F16 and BF16 are both 2 bytes a value, so one scratch serves both */
+    void (*to_half)(const float *, ggml_fp16_t *, int64_t) = dst->type == GGML_TYPE_BF16 ? to_bf16 : ggml_cpu_fp32_to_fp16;
     const int64_t n_in = w->ne[0], n_out = w->ne[1];
     const ggml_to_float_t to_float = ggml_get_type_traits(w->type)->to_float;
     float tmp[RG_TILE * RG_SPAN];
@@ -45,7 +49,7 @@ static void dequant_f16(struct ggml_tensor * dst, int ith, int nth, void * userd
                 for (int64_t i0 = 0; i0 < n_in; i0 += RG_TILE * RG_SPAN) {
                     const int64_t ns = n_in - i0 < RG_TILE * RG_SPAN ? n_in - i0 : RG_TILE * RG_SPAN;
                     row_span_f32(w, row, i0, ns, to_float, tmp);
-                    ggml_cpu_fp32_to_fp16(tmp, out + i0, ns);
+                    to_half(tmp, out + i0, ns);
                 }
             }
             continue;
@@ -57,7 +61,7 @@ static void dequant_f16(struct ggml_tensor * dst, int ith, int nth, void * userd
             for (int64_t r = 0; r < nr; r++) {
                 const void * row = (const char *) w->data + (r0 + r) * w->nb[1];
                 row_span_f32(w, row, i0, ns, to_float, tmp + r * RG_SPAN);
-                ggml_cpu_fp32_to_fp16(tmp + r * RG_SPAN, half + r * RG_SPAN, ns);
+                to_half(tmp + r * RG_SPAN, half + r * RG_SPAN, ns);
             }
             for (int64_t i = 0; i < ns; i++) {
                 ggml_fp16_t * d = out + (i0 + i) * n_out + r0;
@@ -67,11 +71,11 @@ static void dequant_f16(struct ggml_tensor * dst, int ith, int nth, void * userd
     }
 }
 
-struct ggml_tensor * rg_dequant_f16(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed) {
+struct ggml_tensor * rg_dequant(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed, enum ggml_type type) {
     struct ggml_tensor * args[1] = { w };
     struct ggml_tensor * t = transposed
-        ? ggml_custom_4d(ctx, GGML_TYPE_F16, w->ne[1], w->ne[0], 1, 1, args, 1, dequant_f16, GGML_N_TASKS_MAX, (void *) 1)
-        : ggml_custom_4d(ctx, GGML_TYPE_F16, w->ne[0], w->ne[1], 1, 1, args, 1, dequant_f16, GGML_N_TASKS_MAX, NULL);
-    ggml_format_name(t, "%s (f16%s)", w->name, transposed ? ", transposed" : "");
+        ? ggml_custom_4d(ctx, type, w->ne[1], w->ne[0], 1, 1, args, 1, dequant_half, GGML_N_TASKS_MAX, (void *) 1)
+        : ggml_custom_4d(ctx, type, w->ne[0], w->ne[1], 1, 1, args, 1, dequant_half, GGML_N_TASKS_MAX, NULL);
+    ggml_format_name(t, "%s (%s%s)", w->name, ggml_type_name(type), transposed ? ", transposed" : "");
     return t;
 }

@@ -44,6 +44,7 @@ struct rg_head {
     int                   cap_rows, cap_targets;
     int                   chunk;           /* columns per chunk */
     bool                  exact;           /* F32 transposed W_out in phase B (finite-difference tests) */
+    enum ggml_type        conv_type;       /* otherwise W_out slices in phase B are F16 or BF16 */
     double                ms;
 };
 
@@ -51,6 +52,7 @@ rg_head * rg_head_new(rg_model * model) {
     rg_head * h = rg_calloc(1, sizeof(*h), "the LM head");
     if (!h) return NULL;
     h->model = model;
+    h->conv_type = GGML_TYPE_F16;
     h->backend = model->backend == model->backend_cpu ? model->backend : ggml_backend_dev_init(model->dev, NULL);
     h->galloc = h->backend ? ggml_gallocr_new(ggml_backend_get_default_buffer_type(model->backend)) : NULL;
     if (!h->galloc) {
@@ -83,6 +85,8 @@ void rg_head_free(rg_head * h) {
 }
 
 void rg_head_set_exact(rg_head * h, bool exact) { h->exact = exact; }
+
+void rg_head_set_conv_type(rg_head * h, enum ggml_type type) { h->conv_type = type; }
 
 double rg_head_ms(rg_head * h, bool reset) {
     const double ms = h->ms;
@@ -318,7 +322,7 @@ static struct ggml_tensor * head_transpose_product(rg_head * h, struct ggml_cont
         const int64_t nv = V - v0 < HEAD_VOCAB_SLICE ? V - v0 : HEAD_VOCAB_SLICE;
         struct ggml_tensor * ws = ggml_view_2d(ctx, w, w->ne[0], nv, w->nb[1], (size_t) v0 * w->nb[1]);
         struct ggml_tensor * wt = f32 ? ggml_cont(ctx, ggml_transpose(ctx, ggml_cast(ctx, ws, GGML_TYPE_F32)))
-                                      : rg_dequant_f16(ctx, ws, true);   /* [nv, n_embd] */
+                                      : rg_dequant(ctx, ws, true, h->conv_type);   /* [nv, n_embd] */
         struct ggml_tensor * ds = ggml_view_2d(ctx, d, nv, d->ne[1], d->nb[1], (size_t) v0 * sizeof(float));
         struct ggml_tensor * part = ggml_mul_mat(ctx, wt, ds);  /* [n_embd, n] */
         acc = acc ? ggml_add(ctx, acc, part) : part;

@@ -65,11 +65,11 @@ static struct ggml_tensor * transposed(rg_transposes * tc, struct ggml_context *
 
 /* the weight cache's transposed copy, else one made in this graph */
 static struct ggml_tensor * dequant_transposed(rg_transposes * dq, struct ggml_context * ctx, const rg_model * m,
-                                               struct ggml_tensor * w) {
+                                               struct ggml_tensor * w, enum ggml_type type) {
     struct ggml_tensor * r = memo_find(dq, w);
     if (r) return r;
-    r = rg_model_cached(m, w, true);
-    return memo_keep(dq, w, r ? r : rg_dequant_f16(ctx, w, true));
+    r = rg_model_cached(m, w, true, type);
+    return memo_keep(dq, w, r ? r : rg_dequant(ctx, w, true, type));
 }
 
 /* whether t depends on no graph input (tokens, positions, masks, the head's gradient): a weight,
@@ -154,7 +154,7 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
         if (w && w->type != GGML_TYPE_F32 && b->matmul_mode != RG_MATMUL_F32 && b->on_cpu) {
             /* a frozen base weight: dequantize, transpose to F16 (transient, freed after use);
              * F16 halves the copy and doubles the matmul speed against F32 (docs/architecture.md) */
-            x = w->type == GGML_TYPE_F16 ? transposed(&tc, ctx, w) : dequant_transposed(&dq, ctx, b->model, w);
+            x = w->type == GGML_TYPE_F16 ? transposed(&tc, ctx, w) : dequant_transposed(&dq, ctx, b->model, w, rg_conv_type(b->matmul_mode));
         } else if (w) {
             /* F32 (or another device, where a cast is a ggml op the device can run) */
             x = ggml_cont(ctx, ggml_transpose(ctx, w->type == GGML_TYPE_F32 ? w : ggml_cast(ctx, w, GGML_TYPE_F32)));

@@ -177,10 +177,10 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
 struct ggml_cgraph * rg_graph_reordered(struct ggml_context * ctx, struct ggml_cgraph * gf, size_t size,
                                         const rg_graph_build * b);
 
-struct ggml_tensor * rg_dequant_f16(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed);
-/* the weight cache (wcache.c): w's cached F16 copy (NULL: none); a cached copy's base weight (NULL:
- * c is not one); freeing */
-struct ggml_tensor * rg_model_cached(const rg_model * m, const struct ggml_tensor * w, bool transposed);
+struct ggml_tensor * rg_dequant(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed, enum ggml_type type);
+/* the weight cache (wcache.c): w's cached copy of that type (NULL: none); a cached copy's base
+ * weight (NULL: c is not one); freeing */
+struct ggml_tensor * rg_model_cached(const rg_model * m, const struct ggml_tensor * w, bool transposed, enum ggml_type type);
 struct ggml_tensor * rg_model_uncached(const rg_model * m, const struct ggml_tensor * c);
 void                 rg_model_free_weight_cache(rg_model * m);
 /* dst [n0, n1, H] = sum over t of p[:, t, h / (H / Hp)] q[:, t, h]^T for p [n0, T, Hp], q [n1, T, H]
@@ -194,8 +194,10 @@ bool rg_outer_sum_fits(const struct ggml_tensor * p, const struct ggml_tensor * 
 struct ggml_tensor * rg_rank_expand(struct ggml_context * ctx, struct ggml_tensor * v, struct ggml_tensor * z);
 bool rg_rank_expand_fits(const struct ggml_tensor * v, const struct ggml_tensor * z);
 
-/* Whether a weight of this type is multiplied through an on-the-fly F16 copy. */
-bool rg_use_f16_matmul(enum ggml_type type, int mode);
+/* Whether a weight of this type is multiplied through an on-the-fly 16-bit copy, and which type
+ * that copy has in this mode (BF16 where the CPU has a BF16 dot product and the mode allows). */
+bool           rg_use_converted_matmul(enum ggml_type type, int mode);
+enum ggml_type rg_conv_type(int mode);
 
 /* LM head (head.c) -------------------------------------------------------------------------- */
 typedef struct rg_head rg_head;
@@ -211,6 +213,8 @@ rg_status rg_head_backward(rg_head * head, struct ggml_tensor * hidden,
                            const float * logp, const float * coeff);
 double    rg_head_ms(rg_head * head, bool reset);
 void      rg_head_set_exact(rg_head * head, bool exact);
+/* the 16-bit type the head's backward converts W_out slices to (F16 by default) */
+void      rg_head_set_conv_type(rg_head * head, enum ggml_type type);
 /* The k most likely next tokens (ids, log-probs) at each target's row, best first, and the
  * targets' own log-probs when target_logp is not NULL. */
 rg_status rg_head_topk(rg_head * head, struct ggml_tensor * hidden, const rg_batch * batch, int k,

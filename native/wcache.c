@@ -1,11 +1,12 @@
 /*
- * wcache.c - the F16 weight cache: persistent F16 copies of the frozen base weights, so the
- * training graph stops converting every quantized weight twice per micro-batch (forward and,
- * transposed, backward: about a tenth of an SFT step on the default model, docs/benchmarks.md).
+ * wcache.c - the weight cache: persistent 16-bit copies (F16 or BF16, whichever the engine's
+ * matmul mode converts to) of the frozen base weights, so the training graph stops converting
+ * every quantized weight twice per micro-batch (forward and, transposed, backward: about a tenth
+ * of an SFT step on the default model, docs/benchmarks.md).
  *
  * The base never changes, so the copies are made once and stay valid; convert.c's op makes them,
- * so a graph that reads them computes bit for bit what it computed before. Within a byte budget, transposed
- * copies come first (the backward's conversion is the dearer one), then forward ones, layer by
+ * so a graph that reads them computes bit for bit what it computed before. Within a byte budget,
+ * transposed copies come first (the backward's conversion is the dearer one), then forward ones, layer by
  * layer. CPU only: on another device the graph casts with ggml's own ops.
  */
 #include "rg_internal.h"
@@ -21,11 +22,11 @@ static void free_cache(rg_model * m) {
     memset(m->cache, 0, sizeof(m->cache));
 }
 
-/* whether the graph converts this weight to F16: transposed in every backward of a quantized weight
- * (rewrite.c), forward where the default route prefers F16 to the native kernel (graph.c) */
-static bool converted(const struct ggml_tensor * w, bool transposed) {
-    if (!w || !ggml_is_quantized(w->type)) return false;
-    return transposed || rg_use_f16_matmul(w->type, RG_MATMUL_AUTO);
+/* whether the graph converts this weight to 16 bits: transposed in every backward of a quantized
+ * weight (rewrite.c), forward where the mode prefers that to the native kernel (graph.c) */
+static bool converted(const struct ggml_tensor * w, bool transposed, int mode) {
+    if (!w || !ggml_is_quantized(w->type) || mode == RG_MATMUL_F32) return false;
+    return transposed || rg_use_converted_matmul(w->type, mode);
 }
 
 /* every copy made by convert.c's own op (the conversion the graph would otherwise run), copied into
@@ -41,7 +42,7 @@ static rg_status fill(rg_model * m) {
         for (int t = 0; t < RG_N_TARGETS; t++) {
             for (int tr = 0; tr < 2; tr++) {
                 struct ggml_tensor * c = m->cache[il][t][tr];
-                if (c) ggml_build_forward_expand(gf, ggml_cpy(ctx, rg_dequant_f16(ctx, m->layers[il].w[t], tr == 1), c));
+                if (c) ggml_build_forward_expand(gf, ggml_cpy(ctx, rg_dequant(ctx, m->layers[il].w[t], tr == 1, c->type), c));
             }
         }
     }
@@ -55,7 +56,7 @@ static rg_status fill(rg_model * m) {
     return st;
 }
 
-rg_status rg_model_set_weight_cache(rg_model * m, size_t budget_bytes, size_t * used_bytes) {
+rg_status rg_model_set_weight_cache(rg_model * m, size_t budget_bytes, int matmul_mode, size_t * used_bytes) {
     free_cache(m);
     if (used_bytes) *used_bytes = 0;
     if (budget_bytes == 0) return RG_OK;
@@ -66,17 +67,18 @@ rg_status rg_model_set_weight_cache(rg_model * m, size_t budget_bytes, size_t * 
     struct ggml_init_params ip = { ggml_tensor_overhead() * ((size_t) m->hp.n_layer * RG_N_TARGETS * 2 + 1), NULL, true };
     m->cache_ctx = ggml_init(ip);
     if (!m->cache_ctx) return rg_fail(RG_ERR_NOMEM, "out of host memory for the weight cache's metadata");
+    const enum ggml_type ct = rg_conv_type(matmul_mode);
     size_t total = 0;
     for (int tr = 1; tr >= 0; tr--) {
         for (int il = 0; il < m->hp.n_layer; il++) {
             for (int t = 0; t < RG_N_TARGETS; t++) {
                 const struct ggml_tensor * w = m->layers[il].w[t];
-                if (!converted(w, tr == 1)) continue;
-                const size_t bytes = ggml_row_size(GGML_TYPE_F16, w->ne[0]) * (size_t) w->ne[1];
+                if (!converted(w, tr == 1, matmul_mode)) continue;
+                const size_t bytes = ggml_row_size(ct, w->ne[0]) * (size_t) w->ne[1];
                 if (total + bytes > budget_bytes) continue;
-                struct ggml_tensor * c = tr ? ggml_new_tensor_2d(m->cache_ctx, GGML_TYPE_F16, w->ne[1], w->ne[0])
-                                            : ggml_new_tensor_2d(m->cache_ctx, GGML_TYPE_F16, w->ne[0], w->ne[1]);
-                ggml_format_name(c, "%s (f16%s, cached)", w->name, tr ? ", transposed" : "");
+                struct ggml_tensor * c = tr ? ggml_new_tensor_2d(m->cache_ctx, ct, w->ne[1], w->ne[0])
+                                            : ggml_new_tensor_2d(m->cache_ctx, ct, w->ne[0], w->ne[1]);
+                ggml_format_name(c, "%s (%s%s, cached)", w->name, ggml_type_name(ct), tr ? ", transposed" : "");
                 m->cache[il][t][tr] = c;
                 total += bytes;
             }
@@ -101,11 +103,12 @@ rg_status rg_model_set_weight_cache(rg_model * m, size_t budget_bytes, size_t * 
     return RG_OK;
 }
 
-struct ggml_tensor * rg_model_cached(const rg_model * m, const struct ggml_tensor * w, bool transposed) {
+struct ggml_tensor * rg_model_cached(const rg_model * m, const struct ggml_tensor * w, bool transposed, enum ggml_type type) {
     if (!m->cache_buf || !w) return NULL;
     for (int il = 0; il < m->hp.n_layer; il++) {
         for (int t = 0; t < RG_N_TARGETS; t++) {
-            if (m->layers[il].w[t] == w) return m->cache[il][t][transposed ? 1 : 0];
+            struct ggml_tensor * c = m->cache[il][t][transposed ? 1 : 0];
+            if (m->layers[il].w[t] == w) return c && c->type == type ? c : NULL;
         }
     }
     return NULL;

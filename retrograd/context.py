@@ -50,7 +50,8 @@ def open_model(cfg: Config, *, need_data: bool = True) -> RunContext:
     spec = LoraSpec(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.targets), cfg.lora.scaling, cfg.lora.variant)
     trainable = Trainable(model_path, spec, device=cfg.model.device, threads=resolve_threads(cfg), seed=cfg.run.seed)
     trainable.engine.set_recompute(cfg.training.activation_checkpointing)
-    cache_note = weight_cache(trainable, cfg.training.weight_cache_mb)
+    trainable.engine.set_matmul_mode(cfg.training.matmul_precision)
+    cache_note = weight_cache(trainable, cfg.training.weight_cache_mb, cfg.training.matmul_precision)
     if cfg.lora.init_adapter:
         trainable.load_adapter(Path(cfg.lora.init_adapter), reference=True)
     tok = tok_mod.load(str(model_path))
@@ -68,15 +69,17 @@ def open_model(cfg: Config, *, need_data: bool = True) -> RunContext:
     return ctx
 
 
-def weight_cache(trainable: Trainable, mib: int) -> str | None:
-    """[training].weight_cache_mb: the F16 copies, on the CPU; a line for the run's notes."""
+def weight_cache(trainable: Trainable, mib: int, matmul: str = "auto") -> str | None:
+    """[training].weight_cache_mb: the 16-bit copies, on the CPU; a line for the run's notes."""
     if mib <= 0:
         return None
     try:
-        used = trainable.model.set_weight_cache(mib)
+        used = trainable.model.set_weight_cache(mib, matmul)
     except native.NativeError as exc:       # another device: it converts with ggml's own ops
         return f"[training].weight_cache_mb is not used: {exc}"
-    return f"weight cache: {used:.1f} MiB of F16 weights (budget {mib} MiB)"
+    if used == 0:
+        return f"[training].weight_cache_mb is not used: matmul_precision = {matmul!r} converts no weight"
+    return f"weight cache: {used:.1f} MiB of {native.conv_type(matmul)} weights (budget {mib} MiB)"
 
 
 def load_data(ctx: RunContext) -> None:

@@ -161,6 +161,19 @@ def select_device(want: str = "auto") -> DeviceInfo:
 
 
 # ---- models -------------------------------------------------------------------------------
+# how base-weight products are computed (retrograd.h, RG_MATMUL_*)
+_MATMUL_MODES = {"auto": lib.RG_MATMUL_AUTO, "native": lib.RG_MATMUL_NATIVE, "f16": lib.RG_MATMUL_F16,
+                 "bf16": lib.RG_MATMUL_BF16, "f32": lib.RG_MATMUL_F32}
+
+
+def conv_type(matmul: str = "auto") -> str:
+    """The type ("f16", "bf16") of the copies of base weights matmul mode `matmul` multiplies
+    through on this CPU ("auto": bf16 where the CPU has AVX512-BF16, else f16)."""
+    if matmul not in _MATMUL_MODES:
+        raise ValueError(f"matmul mode must be one of {sorted(_MATMUL_MODES)}, got {matmul!r}")
+    return ffi.string(lib.rg_matmul_conv_type(_MATMUL_MODES[matmul])).decode()
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     arch: str
@@ -211,11 +224,14 @@ class Model(_Handle):
         log.info("model %s: %s, %d layers, width %d, on %s, %d threads", self.path, self.info.arch, self.info.n_layer,
                  self.info.n_embd, self.device.name, self.info.n_threads)
 
-    def set_weight_cache(self, mib: int) -> float:
-        """Keep F16 copies of the quantized target weights within `mib` MiB (0: none); returns the MiB
-        used. Results are unchanged (the copies are what the per-micro-batch conversion makes)."""
+    def set_weight_cache(self, mib: int, matmul: str = "auto") -> float:
+        """Keep 16-bit copies of the quantized target weights within `mib` MiB (0: none), of the type
+        an engine in matmul mode `matmul` converts to; returns the MiB used. Results are unchanged
+        (the copies are what the per-micro-batch conversion makes)."""
+        if matmul not in _MATMUL_MODES:
+            raise ValueError(f"matmul mode must be one of {sorted(_MATMUL_MODES)}, got {matmul!r}")
         used = ffi.new("size_t *")
-        _check(lib.rg_model_set_weight_cache(self._ptr, int(mib) << 20, used))
+        _check(lib.rg_model_set_weight_cache(self._ptr, int(mib) << 20, _MATMUL_MODES[matmul], used))
         return used[0] / (1 << 20)
 
     def tensors(self) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -392,7 +408,7 @@ class Timings:
     graph_mib: float = 0.0
 
 
-_GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 8, "q4_k": 12, "q6_k": 14}
+_GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 8, "q4_k": 12, "q6_k": 14, "bf16": 30}
 
 
 def matmul_bench(type_name: str, m: int, n: int, k: int, *, threads: int, reps: int = 10) -> float:
@@ -417,10 +433,6 @@ class ProfileEntry:
     count: int
 
 
-_MATMUL_MODES = {"auto": lib.RG_MATMUL_AUTO, "native": lib.RG_MATMUL_NATIVE, "f16": lib.RG_MATMUL_F16,
-                 "f32": lib.RG_MATMUL_F32}
-
-
 class Engine(_Handle):
     """Forward, gradient accumulation and AdamW for one model."""
 
@@ -434,7 +446,7 @@ class Engine(_Handle):
         return _c_batch(batch, self.model.info.n_embd)
 
     def set_matmul_mode(self, mode: str) -> None:
-        """'auto' (default), 'native' (llama.cpp's kernels, bit-equal), 'f16', or 'f32' (smooth, slow)."""
+        """'auto' (default), 'native' (llama.cpp's kernels, bit-equal), 'f16', 'bf16', or 'f32' (smooth, slow)."""
         if mode not in _MATMUL_MODES:
             raise ValueError(f"matmul mode must be one of {sorted(_MATMUL_MODES)}, got {mode!r}")
         lib.rg_engine_set_matmul_mode(self._ptr, _MATMUL_MODES[mode])

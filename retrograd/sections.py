@@ -90,7 +90,13 @@ class TrainingSection:
                                     "the paper uses 5)", min=0.0)
     lora_plus_ratio: float = opt(1.0, "LoRA+: the B matrices learn at learning_rate x this (1: plain LoRA; "
                                       "the LoRA+ paper suggests 16)", min=0.0)
-    weight_cache_mb: int = opt(0, "MiB of F16 copies of the quantized base weights kept between micro-batches "
+    matmul_precision: str = opt("auto", "how the frozen quantized weights are multiplied on the CPU: through a "
+                                        "16-bit copy made per micro-batch, bf16 (the faster where the CPU has "
+                                        "AVX512-BF16) or f16 (3 more bits of mantissa); auto: bf16 on such CPUs, "
+                                        "else f16; native: llama.cpp's own quantized kernels (log-probs bit-equal "
+                                        "to llama.cpp's, slower on most types) (docs/numerics.md)",
+                                choices=("auto", "bf16", "f16", "native"))
+    weight_cache_mb: int = opt(0, "MiB of 16-bit copies of the quantized base weights kept between micro-batches "
                                   "(CPU; 0: convert per micro-batch); results are unchanged", min=0)
     activation_checkpointing: bool = opt(False, "recompute each layer's activations in the backward from its saved "
                                                 "input: memory grows with one layer's activations, not all of them, "
@@ -134,8 +140,9 @@ class RolloutSection:
     rewards: list = opt([], "reward functions with weights ([[grpo.rewards]] / [[ppo.rewards]] tables)", tables=True)
     eval_prompts: int = opt(32, "prompts scored at each evaluation (greedy, fixed)", min=1)
     generator_weights: str = opt("native", "weights the rollout generator decodes with: the model file's own, or "
-                                 "a cached f16 / q8_0 copy (faster batched decoding on CPUs, more memory)",
-                                 choices=("native", "f16", "q8_0"))
+                                 "a cached f16 / bf16 / q8_0 copy (faster batched decoding on CPUs, more "
+                                 "memory; bf16 needs AVX512-BF16 to be fast)",
+                                 choices=("native", "f16", "bf16", "q8_0"))
 
 
 @dataclass

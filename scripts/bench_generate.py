@@ -1,8 +1,10 @@
 """Generation throughput: one sequence and a batch of 8 (one GRPO group) with retrograd's generator,
 beside llama-cpp-python's own Llama.create_completion in the same run, plus the cost of swapping a
-LoRA adapter in from memory.
+LoRA adapter in from memory. With --weights, a group of 8 is also decoded from each generator copy
+(`[grpo].generator_weights`), the formats taking turns round by round, and each is given as a
+ratio to the model file's own weights measured in the same rounds.
 
-    python scripts/bench_generate.py [--model M] [--tokens 64] [--threads N]
+    python scripts/bench_generate.py [--model M] [--tokens 64] [--threads N] [--weights f16,bf16,q8_0]
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per sequence")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--weights", default="", help="generator copies to compare with the model's own weights, "
+                                                  "comma-separated (f16, bf16, q8_0)")
     args = ap.parse_args()
     from llama_cpp import Llama
 
@@ -49,6 +53,7 @@ def main() -> None:
     one = statistics.median(run(1) for _ in range(args.repeats))
     eight = statistics.median(run(8) for _ in range(args.repeats))
     gen.tokenizer.eog_ids = eog
+    copies = compare_weights(model, [w for w in args.weights.split(",") if w], prompt, args) if args.weights else {}
 
     llm = Llama(model_path=model, n_ctx=1024, n_threads=args.threads, verbose=False)
     llm.create_completion(prompt, max_tokens=8)
@@ -76,6 +81,36 @@ def main() -> None:
     print(f"retrograd, batch of 8      {eight:7.1f} tokens/s  ({eight / one:.1f}x one sequence)")
     print(f"llama-cpp-python Llama     {lcpp:7.1f} tokens/s  (create_completion, 1 sequence)")
     print(f"adapter swap (r16, 7 targets, serialise + load): median {statistics.median(swaps) * 1000:.0f} ms")
+    if copies:
+        base = copies["native"]
+        print("batch of 8 by generator weights (rounds alternate; ratio: median of per-round ratios to native):")
+        for name, rates in copies.items():
+            ratio = statistics.median(r / b for r, b in zip(rates, base))
+            print(f"  {name:<7} {statistics.median(rates):7.1f} tokens/s  {ratio:.2f}x")
+
+
+def compare_weights(model: str, formats: list[str], prompt: list[int], args) -> dict[str, list[float]]:
+    """tokens/s of a group of 8 for the model's own weights and each copy, one round of each in turn"""
+    from pathlib import Path
+
+    from retrograd.generation.llama import Generator, SamplingParams
+    from retrograd.generation.weights import generator_model
+
+    gens = {"native": Generator(model, n_ctx=1024, n_seq=8, threads=args.threads)}
+    for f in formats:
+        gens[f] = Generator(str(generator_model(Path(model), f, args.threads)), n_ctx=1024, n_seq=8,
+                            threads=args.threads)
+    rates: dict[str, list[float]] = {k: [] for k in gens}
+    params = [SamplingParams(0.8, 0.95, 0, args.tokens, seed=i) for i in range(8)]
+    for g in gens.values():
+        g.tokenizer.eog_ids = frozenset()
+        g.generate(prompt, params[:2])          # warm-up
+    for r in range(args.repeats):
+        for name in (list(gens) if r % 2 == 0 else list(gens)[::-1]):
+            t = time.perf_counter()
+            outs = gens[name].generate(prompt, params)
+            rates[name].append(sum(len(o.tokens) for o in outs) / (time.perf_counter() - t))
+    return rates
 
 
 if __name__ == "__main__":

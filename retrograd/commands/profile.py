@@ -98,7 +98,8 @@ def parser() -> argparse.ArgumentParser:
     sft.add_argument("--sft", action="store_true",
                      help="profile an SFT step instead (the workload of scripts/bench_train.py): time and "
                           "FLOP/s per phase, ggml op and weight kind, the LM head, and the step's effective "
-                          "FLOP/s against ggml's F16 product measured in the same run")
+                          "FLOP/s against ggml's product of the 16-bit type the weights are multiplied in "
+                          "(F16 or BF16), measured in the same run")
     sft.add_argument("--model", help="GGUF to profile (default: the embedded default model)")
     sft.add_argument("--batch", type=int, default=4, help="sequences a step (default 4)")
     sft.add_argument("--seq", type=int, default=256, help="tokens a sequence (default 256)")
@@ -107,7 +108,9 @@ def parser() -> argparse.ArgumentParser:
     sft.add_argument("--exact-ops", action="store_true",
                      help="ggml's own ops only (none of retrograd's fused kernels): the comparison point")
     sft.add_argument("--weight-cache-mb", type=int, default=0,
-                     help="F16 weight cache in MiB, as [training].weight_cache_mb (default 0: none)")
+                     help="weight cache in MiB, as [training].weight_cache_mb (default 0: none)")
+    sft.add_argument("--matmul-precision", default="auto", choices=("auto", "bf16", "f16", "native"),
+                     help="how the frozen weights are multiplied, as [training].matmul_precision (default auto)")
     return ap
 
 
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _profile_sft(args: argparse.Namespace) -> int:
+    from retrograd import native
     from retrograd.commands import positive
     from retrograd.commands.profile_sft import print_report, profile_sft
     from retrograd.engine import LoraSpec, Trainable
@@ -136,13 +140,15 @@ def _profile_sft(args: argparse.Namespace) -> int:
     steps = args.steps or 3
     tr = Trainable(model, LoraSpec(args.rank, 2.0 * args.rank), threads=threads, seed=0)
     tr.engine.set_exact_ops(args.exact_ops)
+    tr.engine.set_matmul_mode(args.matmul_precision)
     if args.weight_cache_mb < 0:
         raise UsageError(f"--weight-cache-mb must be >= 0, got {args.weight_cache_mb}")
-    cached = tr.model.set_weight_cache(args.weight_cache_mb) if args.weight_cache_mb else 0.0
+    cached = tr.model.set_weight_cache(args.weight_cache_mb, args.matmul_precision) if args.weight_cache_mb else 0.0
     report = profile_sft(tr, batch=args.batch, seq=args.seq, micro_batch_tokens=args.micro_batch_tokens,
-                         steps=steps, threads=threads)
+                         steps=steps, threads=threads, peak_type=native.conv_type(args.matmul_precision))
     report["exact_ops"] = args.exact_ops
     report["weight_cache_mib"] = cached
+    report["matmul_precision"] = f"{args.matmul_precision} ({native.conv_type(args.matmul_precision)})"
     if args.json:
         print(json.dumps(report))
     else:

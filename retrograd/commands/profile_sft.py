@@ -10,8 +10,9 @@ The workload is the SFT benchmark's (`scripts/bench_train.py`): random tokens, `
   the node works on (a target's base weight q ... down, lora, attention, other), then the same
   summed by kind;
 - the LM head (log-probs and their gradient, outside the graph) with its FLOP/s;
-- the effective FLOP/s of the whole step, against ggml's own F16 product measured in the same run
-  (the machine's matmul peak for this kind of work: the frozen weights are multiplied in F16).
+- the effective FLOP/s of the whole step, against ggml's own product in the 16-bit type the frozen
+  weights are multiplied in (F16, or BF16 on CPUs with AVX512-BF16), measured in the same run (the
+  machine's matmul peak for this kind of work).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def random_tokens(tr: Trainable, batch: int, seq: int) -> np.ndarray:
 
 
 def profile_sft(tr: Trainable, *, batch: int, seq: int, micro_batch_tokens: int, steps: int,
-                threads: int) -> dict:
+                threads: int, peak_type: str = "f16") -> dict:
     """Time `steps` steps (after one warm-up), then profile one; everything the report prints."""
     tokens = random_tokens(tr, batch, seq)
     sft_step(tr, tokens, micro_batch_tokens, 1)
@@ -75,13 +76,13 @@ def profile_sft(tr: Trainable, *, batch: int, seq: int, micro_batch_tokens: int,
     head_flops = 4.0 * info.n_embd * info.n_vocab * n_rows       # logits forward, d(hidden) backward
     step_s = statistics.median(times)
     graph_flops = sum(e.flops for e in entries)
-    peak = native.matmul_bench("f16", 2048, micro_batch_tokens, 2048, threads=threads, reps=5)
+    peak = native.matmul_bench(peak_type, 2048, micro_batch_tokens, 2048, threads=threads, reps=5)
     return {
         "model": tr.model_path.name, "batch": batch, "seq": seq, "micro_batch_tokens": micro_batch_tokens,
         "rank": tr.spec.rank, "threads": threads, "steps": steps, "step_s": step_s, "step_times": times,
         "tokens_s": n_rows / step_s, "head_s": head_s, "head_flops": head_flops,
         "graph_flops": graph_flops, "effective_flops": (graph_flops + head_flops) / step_s,
-        "peak_f16_flops": peak,
+        "peak_flops": peak, "peak_type": peak_type,
         "entries": [e.__dict__ for e in entries],
     }
 
@@ -91,8 +92,10 @@ def print_report(r: dict, top: int = 30) -> None:
           f"LoRA r{r['rank']} on 7 targets, {r['threads']} threads")
     print(f"  step {r['step_s']:.2f} s (median of {r['steps']}), {r['tokens_s']:.1f} tokens/s; "
           f"{(r['graph_flops'] + r['head_flops']) / 1e9:.0f} GFLOP a step: {r['effective_flops'] / 1e9:.1f} GFLOP/s "
-          f"effective = {100 * r['effective_flops'] / r['peak_f16_flops']:.0f}% of ggml's F16 product on this "
-          f"machine now ({r['peak_f16_flops'] / 1e9:.1f} GFLOP/s, 2048 x {r['micro_batch_tokens']} x 2048)")
+          f"effective = {100 * r['effective_flops'] / r['peak_flops']:.0f}% of ggml's {r['peak_type'].upper()} product "
+          f"on this machine now ({r['peak_flops'] / 1e9:.1f} GFLOP/s, 2048 x {r['micro_batch_tokens']} x 2048)")
+    if r.get("matmul_precision"):
+        print(f"  base weights multiplied in: {r['matmul_precision']}")
     entries = r["entries"]
     total = sum(e["ms"] for e in entries) + r["head_s"] * 1000
     print(f"\n  profiled step, each node on its own ({total / 1000:.2f} s in all):")

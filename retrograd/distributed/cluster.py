@@ -86,6 +86,7 @@ class Cluster:
         self.spec = trainable.spec
         self.device = cfg.model.device
         self.recompute = cfg.training.activation_checkpointing
+        self.matmul = cfg.training.matmul_precision
         self.restarts = 0
         self.synced = False
         self.timings: dict[str, float] = {}
@@ -103,7 +104,8 @@ class Cluster:
         rank = self.next_rank
         self.next_rank += 1
         w = self.actor.options(num_cpus=self.d.threads_per_worker, max_restarts=0).remote(
-            rank, str(self.tr.model_path), self.spec, self.device, self.d.threads_per_worker, self.recompute)
+            rank, str(self.tr.model_path), self.spec, self.device, self.d.threads_per_worker, self.recompute,
+            self.matmul)
         self.workers.append(w)
         self.ranks.append(rank)
         return w

@@ -60,11 +60,12 @@ def write_grads(tr: Trainable, grads: list[np.ndarray]) -> None:
 
 class Replica:
     def __init__(self, rank: int, model_path: str, spec: LoraSpec, device: str, threads: int,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, matmul: str = "auto") -> None:
         self.rank = rank
         self.threads = threads
         self.tr = Trainable(Path(model_path), spec, device=device, threads=threads)
         self.tr.engine.set_recompute(recompute)
+        self.tr.engine.set_matmul_mode(matmul)      # the driver's rounding, so the replicas agree
         self.gen: Generator | None = None
         self.gen_key: tuple | None = None
         self.adapter_version = -1

@@ -23,7 +23,7 @@ from retrograd.errors import RetrogradError
 from retrograd.models import cache_dir
 
 # llama.cpp's llama_ftype values
-FORMATS = {"f16": 1, "q8_0": 7}
+FORMATS = {"f16": 1, "bf16": 32, "q8_0": 7}
 
 
 def generator_model(path: Path, weights: str, threads: int) -> Path:
