@@ -20,53 +20,65 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
 
-
 def _fast_top_p() -> bool:
     return os.environ.get("RETRO_FAST_TOP_P", "0") == "1"
 
 
 def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     """Token ids of the smallest most-probable set with mass >= top_p, most probable first, equal
-    probabilities by token id (what a full stable sort gives). Candidates are taken by partial
-    selection, growing until they hold the mass; all tokens tied with the last candidate are
-    included, so the result is exact. RETRO_FAST_TOP_P=1 skips the tie handling."""
-    n = len(probs)
-    k = 64
-    fast = _fast_top_p()
-    while k < n:
-        part = np.argpartition(-probs, k)[:k]
-        cutoff = probs[part].min()
-        cand = part if fast else np.nonzero(probs >= cutoff)[0]
-        if probs[cand].sum() >= top_p:
-            break
-        k *= 4
-    else:
-        cand = np.arange(n)
-    order = cand[np.lexsort((cand, -probs[cand]))]
-    cum = np.cumsum(probs[order])
-    return order[: int(np.searchsorted(cum, top_p)) + 1]
+    probabilities by token id (what a full stable sort of the vocabulary gives).
+
+    Sorting the vocabulary costs milliseconds a token, a large share of a batched decode step, so
+    only the tokens above a probability threshold are sorted: every token at or above it comes
+    before every token below it in the full order, so once their running mass reaches top_p the
+    nucleus lies among them, ties with its last token included. The threshold starts at a hundredth
+    of the largest probability and drops a hundredfold until that holds."""
+    threshold = float(probs.max()) * 1e-2
+    while True:
+        cand = np.flatnonzero(probs >= threshold)
+        order = cand[np.lexsort((cand, -probs[cand]))]
+        cum = np.cumsum(probs[order])
+        if cum[-1] >= top_p or len(cand) == len(probs):
+            return order[: int(np.searchsorted(cum, top_p)) + 1]
+        threshold = threshold * 1e-2 if threshold > 1e-30 else 0.0
+
+
+def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """What rng.choice(len(probs), p=probs) draws (the same cumulative sum, uniform and search, so
+    the same token for a seed; tests/test_sampling.py holds it to that), without choice's pass that
+    re-checks the probabilities, which costs as much as the draw over a whole vocabulary."""
+    cdf = np.cumsum(probs)
+    cdf /= cdf[-1]
+    return int(np.searchsorted(cdf, rng.random(), side="right"))
 
 
 def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> tuple[int, float]:
     """Choose a token; return it and its log-probability under the model (temperature 1).
 
-    Top-p keeps the smallest set of most probable tokens whose mass reaches p (see _nucleus)."""
-    z = logits.astype(np.float64)
-    zmax = z.max()
-    logp_model = z - zmax - np.log(np.exp(z - zmax).sum())
+    Top-p keeps the smallest set of most probable tokens whose mass reaches p (see _nucleus). The
+    arithmetic is float64; RETRO_FAST_TOP_P=1 does it in float32 (about half the cost; the
+    probabilities round differently, so ties and the token chosen for a seed may differ)."""
+    # in place where possible: a fresh temporary of the vocabulary's size costs page faults
+    d = logits.astype(np.float32 if _fast_top_p() else np.float64)
+    d -= d.max()
+    e = np.exp(d)
+    lse = np.log(e.sum())
     if p.temperature <= 0:
-        tok = int(np.argmax(z))
-        return tok, float(logp_model[tok])
-    z = (z - zmax) / p.temperature
-    if p.top_k and p.top_k < len(z):
-        kth = np.partition(z, -p.top_k)[-p.top_k]
-        z = np.where(z >= kth, z, -np.inf)
-    probs = np.exp(z)
+        tok = int(np.argmax(d))
+        return tok, float(d[tok] - lse)
+    if p.temperature == 1:      # the tempered exponentials are the untempered ones
+        probs = e
+    else:
+        probs = np.divide(d, p.temperature)
+        np.exp(probs, out=probs)
+    if p.top_k and p.top_k < len(probs):
+        kth = np.partition(probs, -p.top_k)[-p.top_k]
+        probs[probs < kth] = 0.0
     probs /= probs.sum()
     if 0 < p.top_p < 1:
         keep = _nucleus(probs, p.top_p)
         kept = probs[keep] / probs[keep].sum()
         tok = int(keep[rng.choice(len(keep), p=kept)])
-        return tok, float(logp_model[tok])
-    tok = int(rng.choice(len(probs), p=probs))
-    return tok, float(logp_model[tok])
+    else:
+        tok = _draw(probs, rng)
+    return tok, float(d[tok] - lse)
