@@ -264,7 +264,13 @@ def test_distributed_keys_are_checked(tmp_path, body, key):
 
 def test_ppo_samples_on_the_workers_and_keeps_its_gradients_here(tiny, tmp_path):
     """PPO's value head trains inside its loss, in the driver: its rollouts are split between the
-    workers, its gradients are not; the run equals the one-process run."""
+    workers, its gradients are not; a batch's two updates equal the one-process run's, the adapter
+    and the value head byte for byte.
+
+    One batch, not several: llama.cpp's decoding rounds differently with how prompts are chunked
+    (a worker decodes its share of the prompts, the one process all of them together: 4e-3 nats
+    on this tiny model's sampling log-probs), so once the adapter has moved, a later batch may
+    draw another token somewhere (docs/distributed.md: equal "beyond rounding")."""
     from test_ppo import make_run as ppo_run
     from test_ppo import rows as ppo_rows
 
@@ -272,18 +278,23 @@ def test_ppo_samples_on_the_workers_and_keeps_its_gradients_here(tiny, tmp_path)
     for name, dist in (("one", False), ("ray", True)):
         d = tmp_path / name
         d.mkdir()
-        cfg = ppo_run(d, model, steps=4)
+        cfg = ppo_run(d, model, steps=2)
         if dist:
             cfg.write_text(cfg.read_text() + RAY.format(check=0))
         train(open_model(load(cfg)))
     one, ray = ppo_rows(tmp_path / "one"), ppo_rows(tmp_path / "ray")
-    assert len(one) == len(ray) == 4
+    assert len(one) == len(ray) == 2
     for x, y in zip(one, ray):
         for k in ("reward_mean", "pg_loss", "value_loss", "kl"):
             if k in x:
                 assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-7), (x["step"], k)
     assert all(r["dist_gen_s"] > 0 for r in ray if "reward_mean" in r)
     assert not any("dist_w0_s" in r for r in ray)          # no gradients computed on the workers
+    out = {name: tmp_path / name / "runs/p" for name in ("one", "ray")}
+    assert (out["one"] / "adapter.gguf").read_bytes() == (out["ray"] / "adapter.gguf").read_bytes()
+    heads = [json.loads((o / "checkpoints/step-2.state/state.json").read_text())["trainer"]["recipe"]["value_head"]
+             for o in out.values()]
+    assert heads[0] == heads[1] and heads[0]["t"] == 2
 
 
 def test_without_replacements_the_survivors_carry_on(tiny, tmp_path):
