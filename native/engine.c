@@ -37,7 +37,6 @@ static rg_status engine_setup(rg_engine * e, rg_model * model) {
     if (!e->opt_galloc) return rg_fail(RG_ERR_NOMEM, "could not create the optimizer's graph allocator");
     e->head = rg_head_new(model);
     if (!e->head) return RG_ERR_NOMEM;
-    rg_head_set_conv_type(e->head, rg_conv_type(RG_MATMUL_AUTO));
     /* tensors and graphs of one build: forward + backward + rewrite */
     e->ctx_mem_size = ggml_tensor_overhead() * e->graph_size * 4 + ggml_graph_overhead_custom(e->graph_size, true) * 2;
     e->ctx_mem = rg_malloc(e->ctx_mem_size, "the graph metadata");
@@ -65,8 +64,7 @@ void rg_engine_free(rg_engine * e) {
 
 void rg_engine_set_matmul_mode(rg_engine * e, int mode) {
     e->matmul_mode = mode;
-    rg_head_set_exact(e->head, mode == RG_MATMUL_F32);
-    rg_head_set_conv_type(e->head, rg_conv_type(mode));
+    rg_head_set_matmul_mode(e->head, mode);
 }
 
 void rg_engine_set_exact_ops(rg_engine * e, int on) { e->exact_ops = on != 0; }

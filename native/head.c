@@ -43,8 +43,10 @@ struct rg_head {
     int32_t             * col_of_target;   /* column in rows[] of each target */
     int                   cap_rows, cap_targets;
     int                   chunk;           /* columns per chunk */
-    bool                  exact;           /* F32 transposed W_out in phase B (finite-difference tests) */
-    enum ggml_type        conv_type;       /* otherwise W_out slices in phase B are F16 or BF16 */
+    /* both from the engine's matmul mode: F32 transposed W_out in phase B (the exact mode of the
+     * finite-difference tests), otherwise W_out slices converted to conv_type (F16 or BF16) */
+    bool                  exact;
+    enum ggml_type        conv_type;
     double                ms;
 };
 
@@ -52,7 +54,7 @@ rg_head * rg_head_new(rg_model * model) {
     rg_head * h = rg_calloc(1, sizeof(*h), "the LM head");
     if (!h) return NULL;
     h->model = model;
-    h->conv_type = GGML_TYPE_F16;
+    rg_head_set_matmul_mode(h, RG_MATMUL_AUTO);
     h->backend = model->backend == model->backend_cpu ? model->backend : ggml_backend_dev_init(model->dev, NULL);
     h->galloc = h->backend ? ggml_gallocr_new(ggml_backend_get_default_buffer_type(model->backend)) : NULL;
     if (!h->galloc) {
@@ -84,9 +86,10 @@ void rg_head_free(rg_head * h) {
     free(h);
 }
 
-void rg_head_set_exact(rg_head * h, bool exact) { h->exact = exact; }
-
-void rg_head_set_conv_type(rg_head * h, enum ggml_type type) { h->conv_type = type; }
+void rg_head_set_matmul_mode(rg_head * h, int mode) {
+    h->exact = mode == RG_MATMUL_F32;
+    h->conv_type = rg_conv_type(mode);
+}
 
 double rg_head_ms(rg_head * h, bool reset) {
     const double ms = h->ms;

@@ -200,16 +200,17 @@ void      rg_engine_set_exact_ops(rg_engine * engine, int on);
  * recomputes the layer in the backward (memory grows with one layer's activations, not all of
  * them; a second forward pass's time). Off by default. */
 void      rg_engine_set_recompute(rg_engine * engine, int on);
-/* How base-weight matmuls are computed: RG_MATMUL_AUTO (default) dequantizes to F16 on the fly
- * for the types whose native CPU kernels are slower than that at training batch sizes (Q4_1,
- * Q5_x, K-quants) and keeps the native kernel otherwise; RG_MATMUL_NATIVE always uses ggml's
- * quantized kernel (bit-equal to llama.cpp); RG_MATMUL_F16 always dequantizes to F16;
- * RG_MATMUL_F32 dequantizes to F32 forward and backward: slow, but no activation is rounded, so
- * the forward is a smooth function (finite-difference tests on real models). */
+/* How base-weight matmuls are computed: RG_MATMUL_AUTO (default) converts to a 16-bit copy on the
+ * fly (BF16 where the CPU has AVX512-BF16, else F16; rg_matmul_conv_type) for the types whose
+ * native CPU kernels are slower than that at training batch sizes (Q4_1, Q5_x, K-quants) and keeps
+ * the native kernel otherwise; RG_MATMUL_NATIVE always uses ggml's quantized kernel (bit-equal to
+ * llama.cpp); RG_MATMUL_F16 / RG_MATMUL_BF16 always convert to that type; RG_MATMUL_F32 dequantizes
+ * to F32 forward and backward: slow, but no activation is rounded, so the forward is a smooth
+ * function (finite-difference tests on real models). */
 enum { RG_MATMUL_AUTO = 0, RG_MATMUL_NATIVE = 1, RG_MATMUL_F16 = 2, RG_MATMUL_F32 = 3, RG_MATMUL_BF16 = 4 };
 void      rg_engine_set_matmul_mode(rg_engine * engine, int mode);
 /* The type ("f16" or "bf16") a mode's on-the-fly copies of base weights have on this CPU: AUTO is
- * BF16 where the CPU has AVX512-BF16 dot products (about 1.3x F16's product speed there), else F16.
+ * BF16 where the CPU has AVX512-BF16 dot products (1.6-2x F16's product speed on a Zen 4, docs/benchmarks.md), else F16.
  * NATIVE still converts for the backward's transposed products. F32 mode: "f32". */
 const char * rg_matmul_conv_type(int mode);
 /* Upper bound in bytes for the softmax store of the LM head (beyond it the head recomputes). */

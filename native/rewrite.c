@@ -152,9 +152,10 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
          * slow on the CPU for every type, the matmul kernels are not */
         struct ggml_tensor * x;
         if (w && w->type != GGML_TYPE_F32 && b->matmul_mode != RG_MATMUL_F32 && b->on_cpu) {
-            /* a frozen base weight: dequantize, transpose to F16 (transient, freed after use);
-             * F16 halves the copy and doubles the matmul speed against F32 (docs/architecture.md) */
-            x = w->type == GGML_TYPE_F16 ? transposed(&tc, ctx, w) : dequant_transposed(&dq, ctx, b->model, w, rg_conv_type(b->matmul_mode));
+            /* a frozen base weight: dequantize, transpose to 16 bits (transient, freed after use);
+             * F16/BF16 halve the copy and double the matmul speed against F32 (docs/architecture.md) */
+            x = w->type == GGML_TYPE_F16 ? transposed(&tc, ctx, w)
+                                         : dequant_transposed(&dq, ctx, b->model, w, rg_conv_type(b->matmul_mode));
         } else if (w) {
             /* F32 (or another device, where a cast is a ggml op the device can run) */
             x = ggml_cont(ctx, ggml_transpose(ctx, w->type == GGML_TYPE_F32 ? w : ggml_cast(ctx, w, GGML_TYPE_F32)));

@@ -212,9 +212,9 @@ rg_status rg_head_backward(rg_head * head, struct ggml_tensor * hidden,
                            struct ggml_tensor * grad_hidden, const rg_batch * batch,
                            const float * logp, const float * coeff);
 double    rg_head_ms(rg_head * head, bool reset);
-void      rg_head_set_exact(rg_head * head, bool exact);
-/* the 16-bit type the head's backward converts W_out slices to (F16 by default) */
-void      rg_head_set_conv_type(rg_head * head, enum ggml_type type);
+/* the engine's matmul mode (RG_MATMUL_*, AUTO at creation): F32 is exact, the others convert W_out's
+ * slices in the backward to rg_conv_type(mode) */
+void      rg_head_set_matmul_mode(rg_head * head, int mode);
 /* The k most likely next tokens (ids, log-probs) at each target's row, best first, and the
  * targets' own log-probs when target_logp is not NULL. */
 rg_status rg_head_topk(rg_head * head, struct ggml_tensor * hidden, const rg_batch * batch, int k,

@@ -30,7 +30,7 @@ def main() -> None:
 
     from retrograd.data.chat import format_for
     from retrograd.engine import LoraSpec, Trainable
-    from retrograd.generation.llama import Generator, SamplingParams
+    from retrograd.generation.llama import Generator
     from retrograd.models import default_model_path
 
     model = args.model or str(default_model_path())
@@ -44,16 +44,14 @@ def main() -> None:
     gen.tokenizer.eog_ids = frozenset()
 
     def run(n: int) -> float:
-        params = [SamplingParams(0.8, 0.95, 0, args.tokens, seed=i) for i in range(n)]
-        t = time.perf_counter()
-        outs = gen.generate(prompt, params)
-        return sum(len(o.tokens) for o in outs) / (time.perf_counter() - t)
+        return rate(gen, prompt, sampling(n, args.tokens))
 
     run(1)
     one = statistics.median(run(1) for _ in range(args.repeats))
     eight = statistics.median(run(8) for _ in range(args.repeats))
+    formats = [w for w in args.weights.split(",") if w]
+    copies = compare_weights(gen, model, formats, prompt, args) if formats else {}
     gen.tokenizer.eog_ids = eog
-    copies = compare_weights(model, [w for w in args.weights.split(",") if w], prompt, args) if args.weights else {}
 
     llm = Llama(model_path=model, n_ctx=1024, n_threads=args.threads, verbose=False)
     llm.create_completion(prompt, max_tokens=8)
@@ -89,27 +87,39 @@ def main() -> None:
             print(f"  {name:<7} {statistics.median(rates):7.1f} tokens/s  {ratio:.2f}x")
 
 
-def compare_weights(model: str, formats: list[str], prompt: list[int], args) -> dict[str, list[float]]:
-    """tokens/s of a group of 8 for the model's own weights and each copy, one round of each in turn"""
+def sampling(n: int, tokens: int) -> list:
+    from retrograd.generation.llama import SamplingParams
+
+    return [SamplingParams(0.8, 0.95, 0, tokens, seed=i) for i in range(n)]
+
+
+def rate(gen, prompt: list[int], params: list) -> float:
+    """tokens/s of one batched generate call"""
+    t = time.perf_counter()
+    outs = gen.generate(prompt, params)
+    return sum(len(o.tokens) for o in outs) / (time.perf_counter() - t)
+
+
+def compare_weights(gen, model: str, formats: list[str], prompt: list[int], args) -> dict[str, list[float]]:
+    """tokens/s of a group of 8 for the model's own weights (`gen`, already open) and each copy, one
+    round of each in turn"""
     from pathlib import Path
 
-    from retrograd.generation.llama import Generator, SamplingParams
+    from retrograd.generation.llama import Generator
     from retrograd.generation.weights import generator_model
 
-    gens = {"native": Generator(model, n_ctx=1024, n_seq=8, threads=args.threads)}
+    gens = {"native": gen}
     for f in formats:
         gens[f] = Generator(str(generator_model(Path(model), f, args.threads)), n_ctx=1024, n_seq=8,
                             threads=args.threads)
     rates: dict[str, list[float]] = {k: [] for k in gens}
-    params = [SamplingParams(0.8, 0.95, 0, args.tokens, seed=i) for i in range(8)]
+    params = sampling(8, args.tokens)
     for g in gens.values():
         g.tokenizer.eog_ids = frozenset()
         g.generate(prompt, params[:2])          # warm-up
     for r in range(args.repeats):
         for name in (list(gens) if r % 2 == 0 else list(gens)[::-1]):
-            t = time.perf_counter()
-            outs = gens[name].generate(prompt, params)
-            rates[name].append(sum(len(o.tokens) for o in outs) / (time.perf_counter() - t))
+            rates[name].append(rate(gens[name], prompt, params))
     return rates
 
 
