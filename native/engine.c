@@ -197,6 +197,7 @@ static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, int kind
     o->b.exact_ops = e->exact_ops;
     o->b.on_cpu = e->model->backend == e->model->backend_cpu;
     o->b.matmul_mode = e->matmul_mode;
+    o->b.packed = rg_gemm_for_mode(e->matmul_mode);
     o->b.embed_noise = noise;
     o->b.dropout = dropout;
     if (!rg_build_trunk(&o->b)) {
@@ -208,7 +209,8 @@ static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, int kind
         ggml_set_output(hidden);
         struct ggml_cgraph * gf = ggml_new_graph_custom(o->ctx, e->graph_size, false);
         ggml_build_forward_expand(gf, hidden);
-        o->gf = rg_graph_reordered(o->ctx, gf, e->graph_size, &o->b);
+        /* the training forward's kernels (gemm.c, outer.c), so scoring and training agree */
+        o->gf = rg_graph_rewrite(&o->b, gf, e->graph_size);
         e->timings.build_ms += rg_now_ms() - t0;
         return RG_OK;
     }

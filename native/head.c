@@ -341,7 +341,12 @@ rg_status rg_head_backward(rg_head * h, struct ggml_tensor * hidden, struct ggml
     rg_status st = RG_OK;
     /* host scratch in one block: per target sidx, sval; per selected row csum; per chunk column negs */
     const size_t nr = (size_t) (h->n_rows > 0 ? h->n_rows : 1), nk = (size_t) (K > 0 ? K : 1);
-    int64_t * sidx = rg_malloc(sizeof(int64_t) * nk + sizeof(float) * (nk + nr + (size_t) h->chunk), "the LM head gradient");
+    /* with the softmax stored, every row in one pass: each vocabulary slice of W_out is converted
+     * once per micro-batch, not once per chunk of the forward's (on Gemma 3's 262k vocabulary the
+     * forward's chunks are 64 rows, and converting all of W_out 4 times a micro-batch was a third
+     * of the step). Without the store the logits are recomputed, a chunk's worth at a time. */
+    const int chunk = h->store_valid ? (int) nr : h->chunk;
+    int64_t * sidx = rg_malloc(sizeof(int64_t) * nk + sizeof(float) * (nk + nr + (size_t) chunk), "the LM head gradient");
     if (!sidx) {
         h->store_valid = false;
         return RG_ERR_NOMEM;
@@ -350,8 +355,8 @@ rg_status rg_head_backward(rg_head * h, struct ggml_tensor * hidden, struct ggml
     memset(csum, 0, sizeof(float) * nr);
     for (int k = 0; k < K; k++) csum[h->col_of_target[k]] += coeff[k];
 
-    for (int c0 = 0; c0 < h->n_rows && st == RG_OK; c0 += h->chunk) {
-        const int n = h->n_rows - c0 < h->chunk ? h->n_rows - c0 : h->chunk;
+    for (int c0 = 0; c0 < h->n_rows && st == RG_OK; c0 += chunk) {
+        const int n = h->n_rows - c0 < chunk ? h->n_rows - c0 : chunk;
         /* sparse entries: at (col, y) the gradient is sum of its coefficients - csum * p(y) */
         int ns = 0;
         for (int k = 0; k < K; k++) {

@@ -25,6 +25,7 @@ struct ggml_tensor * rg_base_weight_of(const rg_model * m, struct ggml_tensor * 
     while (t && !rg_is_base_weight(m, t)) {
         if (t->op == GGML_OP_NONE) return rg_model_uncached(m, t);     /* a weight-cache copy, or not a weight */
         if (t->op != GGML_OP_CPY && t->op != GGML_OP_DUP && t->op != GGML_OP_CONT && t->op != GGML_OP_CUSTOM) return NULL;
+        if (t->op == GGML_OP_CUSTOM && t->src[1]) return NULL;     /* a product (outer.c, gemm.c), not a conversion */
         t = t->src[0];
     }
     return t;
@@ -72,6 +73,22 @@ static struct ggml_tensor * dequant_transposed(rg_transposes * dq, struct ggml_c
     return memo_keep(dq, w, r ? r : rg_dequant(ctx, w, true, type));
 }
 
+/* w packed for gemm.c (the weight cache's packed copy, else one made in this graph), once per graph
+ * and orientation */
+static struct ggml_tensor * packed_weight(rg_transposes * memo, struct ggml_context * ctx, const rg_model * m,
+                                          struct ggml_tensor * w, bool transposed) {
+    struct ggml_tensor * r = memo_find(memo, w);
+    if (r) return r;
+    r = rg_model_cached_packed(m, w, transposed);
+    return memo_keep(memo, w, r ? r : rg_pack_weight(ctx, w, transposed));
+}
+
+/* activations packed for gemm.c, once per graph: q, k and v read one input, gate and up another */
+static struct ggml_tensor * packed_act(rg_transposes * memo, struct ggml_context * ctx, struct ggml_tensor * x) {
+    struct ggml_tensor * r = memo_find(memo, x);
+    return r ? r : memo_keep(memo, x, rg_pack_act(ctx, x));
+}
+
 /* whether t depends on no graph input (tokens, positions, masks, the head's gradient): a weight,
  * an adapter tensor, or a conversion of one (a dequantized copy, a transpose), up to `depth` ops deep */
 static bool input_free(const struct ggml_tensor * t, int depth) {
@@ -111,9 +128,8 @@ static void become(struct ggml_tensor * node, const struct ggml_tensor * op) {
 struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * gf, size_t size) {
     struct ggml_context * ctx = b->ctx;
     const int n = ggml_graph_n_nodes(gf);
-    static __thread rg_transposes tc, dq;
-    tc.n = 0;
-    dq.n = 0;
+    static __thread rg_transposes tc, dq, pw, pwt, pa;
+    tc.n = dq.n = pw.n = pwt.n = pa.n = 0;
     for (int i = 0; i < n; i++) {
         struct ggml_tensor * node = ggml_graph_node(gf, i);
         for (int j = 0; j < GGML_MAX_SRC; j++) {
@@ -123,6 +139,19 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
         }
         /* outer.c's kernels allowed (CPU only: another device runs ggml's own ops) */
         const bool own = !b->exact_ops && b->on_cpu && ggml_is_contiguous(node);
+        if (node->op == GGML_OP_MUL_MAT && own && b->packed) {
+            /* a base weight's product through its BF16 conversion (graph.c's linear, DoRA's W A^T):
+             * gemm.c's kernel on the weight packed as stored. The conversion node loses its user and
+             * is never computed. */
+            struct ggml_tensor * c = node->src[0], * x = node->src[1];
+            struct ggml_tensor * w = rg_base_weight_of(b->model, c);
+            if (w && ggml_is_quantized(w->type) && c->type == GGML_TYPE_BF16 && c->ne[0] == w->ne[0] &&
+                node->ne[0] == w->ne[1] && node->ne[2] == 1 && rg_pack_act_fits(x)) {
+                become(node, rg_gemm(ctx, packed_weight(&pw, ctx, b->model, w, false), packed_act(&pa, ctx, x),
+                                     node->ne[0], node->ne[1]));
+                continue;
+            }
+        }
         if (node->op == GGML_OP_MUL_MAT && own && b->matmul_mode != RG_MATMUL_NATIVE) {
             /* LoRA's B (A x) in the forward: an inner dimension of the rank. (The native mode keeps
              * ggml's kernel, as llama.cpp computes it.) */
@@ -147,6 +176,17 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
              * attention's queries and scores): a holds the contraction in its columns already */
             become(node, rg_rank_expand(ctx, a, bt->src[0]));
             continue;
+        }
+        if (w && own && b->packed && ggml_is_quantized(w->type)) {
+            /* a base weight's input gradient W^T dy: gemm.c's kernel on the weight packed transposed */
+            struct ggml_tensor * y = bt->op == GGML_OP_TRANSPOSE ? bt->src[0] : transposed(&tc, ctx, bt);
+            if (y->nb[0] != sizeof(float)) y = ggml_cont(ctx, y);
+            if (rg_pack_act_fits(y) && y->ne[0] == w->ne[1] && node->ne[0] == w->ne[0] && node->ne[1] == y->ne[1] &&
+                node->ne[2] == 1) {
+                become(node, rg_gemm(ctx, packed_weight(&pwt, ctx, b->model, w, true), packed_act(&pa, ctx, y),
+                                     node->ne[0], node->ne[1]));
+                continue;
+            }
         }
         /* out_prod(a [n, m], b [p, m]) = mul_mat(a^T [m, n], b^T [m, p]); ggml's OUT_PROD kernel is
          * slow on the CPU for every type, the matmul kernels are not */

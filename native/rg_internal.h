@@ -70,6 +70,7 @@ struct rg_model {
     ggml_backend_buffer_t   cache_buf;
     struct ggml_tensor    * cache[RG_MAX_LAYERS][RG_N_TARGETS][2];
     size_t                  cache_bytes;
+    bool                    cache_packed;   /* the copies are packed for gemm.c */
     int64_t                 n_params;
     size_t                  weight_bytes;
 };
@@ -124,6 +125,7 @@ typedef struct {
     bool                 on_cpu;      /* the weights live on the CPU: retrograd's CPU kernels (outer.c,
                                        * convert.c) may run; on another device only ggml's ops do */
     int                  matmul_mode; /* RG_MATMUL_* */
+    bool                 packed;      /* the BF16 products of base weights through gemm.c (rg_gemm_for_mode) */
     /* after the backward is built, consumers of subst_from[i] read subst_to[i] instead: the
      * forward value then comes from llama.cpp's own fused op (bit-equal outputs) while the
      * gradient comes from the composite that has a backward */
@@ -182,6 +184,9 @@ struct ggml_tensor * rg_dequant(struct ggml_context * ctx, struct ggml_tensor * 
  * weight (NULL: c is not one); freeing */
 struct ggml_tensor * rg_model_cached(const rg_model * m, const struct ggml_tensor * w, bool transposed, enum ggml_type type);
 struct ggml_tensor * rg_model_uncached(const rg_model * m, const struct ggml_tensor * c);
+/* w's copy packed for gemm.c in that orientation (NULL: none; the cache holds packed copies when the
+ * mode it was made for runs gemm.c, and then rg_model_cached finds none) */
+struct ggml_tensor * rg_model_cached_packed(const rg_model * m, const struct ggml_tensor * w, bool transposed);
 void                 rg_model_free_weight_cache(rg_model * m);
 /* dst [n0, n1, H] = sum over t of p[:, t, h / (H / Hp)] q[:, t, h]^T for p [n0, T, Hp], q [n1, T, H]
  * (outer.c); fits: F32, at most 3-D, each column contiguous */
@@ -193,6 +198,21 @@ bool rg_outer_sum_fits(const struct ggml_tensor * p, const struct ggml_tensor * 
 #define RG_RANK_EXPAND_MAX 64
 struct ggml_tensor * rg_rank_expand(struct ggml_context * ctx, struct ggml_tensor * v, struct ggml_tensor * z);
 bool rg_rank_expand_fits(const struct ggml_tensor * v, const struct ggml_tensor * z);
+
+/* gemm.c: the frozen weights' BF16 products through packed operands (see there; rg_gemm_available
+ * in retrograd.h says whether this CPU runs them). A weight packed as stored (rows = n_out) or
+ * transposed (rows = n_in); activations [k, T] packed (fits: F32, 2-D, columns contiguous); their
+ * product [rows, T]; rg_gemm_k: the (even-rounded) contraction of such a product node, else 0. */
+struct ggml_tensor * rg_pack_weight(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed);
+void                 rg_packed_weight_shape(const struct ggml_tensor * w, bool transposed, int64_t ne[2]);
+bool                 rg_pack_act_fits(const struct ggml_tensor * x);
+struct ggml_tensor * rg_pack_act(struct ggml_context * ctx, struct ggml_tensor * x);
+struct ggml_tensor * rg_gemm(struct ggml_context * ctx, struct ggml_tensor * packed_w, struct ggml_tensor * packed_x,
+                             int64_t rows, int64_t n_tokens);
+int64_t              rg_gemm_k(const struct ggml_tensor * t);
+/* whether a graph of this matmul mode multiplies converted base weights through gemm.c (BF16 modes on
+ * a CPU that runs it); the weight cache then holds packed copies */
+bool                 rg_gemm_for_mode(int matmul_mode);
 
 /* Whether a weight of this type is multiplied through an on-the-fly 16-bit copy, and which type
  * that copy has in this mode (BF16 where the CPU has a BF16 dot product and the mode allows). */

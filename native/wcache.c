@@ -19,6 +19,7 @@ static void free_cache(rg_model * m) {
     m->cache_buf = NULL;
     m->cache_ctx = NULL;
     m->cache_bytes = 0;
+    m->cache_packed = false;
     memset(m->cache, 0, sizeof(m->cache));
 }
 
@@ -42,7 +43,10 @@ static rg_status fill(rg_model * m) {
         for (int t = 0; t < RG_N_TARGETS; t++) {
             for (int tr = 0; tr < 2; tr++) {
                 struct ggml_tensor * c = m->cache[il][t][tr];
-                if (c) ggml_build_forward_expand(gf, ggml_cpy(ctx, rg_dequant(ctx, m->layers[il].w[t], tr == 1, c->type), c));
+                if (!c) continue;
+                struct ggml_tensor * w = m->layers[il].w[t];
+                ggml_build_forward_expand(gf, ggml_cpy(ctx, m->cache_packed ? rg_pack_weight(ctx, w, tr == 1)
+                                                                            : rg_dequant(ctx, w, tr == 1, c->type), c));
             }
         }
     }
@@ -68,17 +72,20 @@ rg_status rg_model_set_weight_cache(rg_model * m, size_t budget_bytes, int matmu
     m->cache_ctx = ggml_init(ip);
     if (!m->cache_ctx) return rg_fail(RG_ERR_NOMEM, "out of host memory for the weight cache's metadata");
     const enum ggml_type ct = rg_conv_type(matmul_mode);
+    m->cache_packed = rg_gemm_for_mode(matmul_mode);
     size_t total = 0;
     for (int tr = 1; tr >= 0; tr--) {
         for (int il = 0; il < m->hp.n_layer; il++) {
             for (int t = 0; t < RG_N_TARGETS; t++) {
                 const struct ggml_tensor * w = m->layers[il].w[t];
                 if (!converted(w, tr == 1, matmul_mode)) continue;
-                const size_t bytes = ggml_row_size(ct, w->ne[0]) * (size_t) w->ne[1];
+                int64_t ne[2] = { tr ? w->ne[1] : w->ne[0], tr ? w->ne[0] : w->ne[1] };
+                if (m->cache_packed) rg_packed_weight_shape(w, tr == 1, ne);
+                const size_t bytes = ggml_row_size(ct, ne[0]) * (size_t) ne[1];
                 if (total + bytes > budget_bytes) continue;
-                struct ggml_tensor * c = tr ? ggml_new_tensor_2d(m->cache_ctx, ct, w->ne[1], w->ne[0])
-                                            : ggml_new_tensor_2d(m->cache_ctx, ct, w->ne[0], w->ne[1]);
-                ggml_format_name(c, "%s (%s%s, cached)", w->name, ggml_type_name(ct), tr ? ", transposed" : "");
+                struct ggml_tensor * c = ggml_new_tensor_2d(m->cache_ctx, ct, ne[0], ne[1]);
+                ggml_format_name(c, "%s (%s%s%s, cached)", w->name, ggml_type_name(ct), m->cache_packed ? ", packed" : "",
+                                 tr ? ", transposed" : "");
                 m->cache[il][t][tr] = c;
                 total += bytes;
             }
@@ -103,15 +110,23 @@ rg_status rg_model_set_weight_cache(rg_model * m, size_t budget_bytes, int matmu
     return RG_OK;
 }
 
-struct ggml_tensor * rg_model_cached(const rg_model * m, const struct ggml_tensor * w, bool transposed, enum ggml_type type) {
+static struct ggml_tensor * cached(const rg_model * m, const struct ggml_tensor * w, bool transposed) {
     if (!m->cache_buf || !w) return NULL;
     for (int il = 0; il < m->hp.n_layer; il++) {
         for (int t = 0; t < RG_N_TARGETS; t++) {
-            struct ggml_tensor * c = m->cache[il][t][transposed ? 1 : 0];
-            if (m->layers[il].w[t] == w) return c && c->type == type ? c : NULL;
+            if (m->layers[il].w[t] == w) return m->cache[il][t][transposed ? 1 : 0];
         }
     }
     return NULL;
+}
+
+struct ggml_tensor * rg_model_cached_packed(const rg_model * m, const struct ggml_tensor * w, bool transposed) {
+    return m->cache_packed ? cached(m, w, transposed) : NULL;
+}
+
+struct ggml_tensor * rg_model_cached(const rg_model * m, const struct ggml_tensor * w, bool transposed, enum ggml_type type) {
+    struct ggml_tensor * c = m->cache_packed ? NULL : cached(m, w, transposed);
+    return c && c->type == type ? c : NULL;
 }
 
 struct ggml_tensor * rg_model_uncached(const rg_model * m, const struct ggml_tensor * c) {

@@ -421,6 +421,29 @@ def matmul_bench(type_name: str, m: int, n: int, k: int, *, threads: int, reps: 
     return 2.0 * m * n * k / out[0]
 
 
+def gemm_check(type_name: str, w: np.ndarray, x: np.ndarray, *, transposed: bool = False,
+               threads: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """The packed BF16 product (native/gemm.c) on its own: `w` [n_out, n_in] quantized to `type_name`,
+    times `x` [tokens, n_in] (or W^T times `x` [tokens, n_out] when `transposed`). Returns the product
+    [tokens, rows] and W as quantized, dequantized, for an oracle. Raises on a CPU without AVX512-BF16."""
+    if type_name not in _GGML_TYPES:
+        raise ValueError(f"gemm_check: unknown type {type_name!r} (one of {', '.join(_GGML_TYPES)})")
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n_out, n_in = w.shape
+    rows = n_in if transposed else n_out
+    out = np.empty((x.shape[0], rows), np.float32)
+    deq = np.empty_like(w)
+    _check(lib.rg_gemm_check(_GGML_TYPES[type_name], _ptr(w, "float *"), n_out, n_in, _ptr(x, "float *"), x.shape[0],
+                             int(transposed), threads, _ptr(out, "float *"), _ptr(deq, "float *")))
+    return out, deq
+
+
+def gemm_available() -> bool:
+    """Whether the packed BF16 product runs on this CPU (AVX512-BF16, RETRO_PACKED_GEMM not 0)."""
+    return bool(lib.rg_gemm_available())
+
+
 @dataclass(frozen=True)
 class ProfileEntry:
     """One cell of a training-graph profile: phase ("forward"/"backward"), ggml op, and what the

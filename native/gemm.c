@@ -1,0 +1,294 @@
+/*
+ * gemm.c - the frozen weights' BF16 products through packed operands, on CPUs with AVX512-BF16.
+ *
+ * ggml's BF16 product (llamafile's tinyBLAS) clears each 4 x 6 block of accumulators through a
+ * memset on the stack and reads it back before every block. On the thin products of a training
+ * step (contractions of 192 to 1,536) that costs about a third of the product: perf put 6.5% of a
+ * whole SFT step inside that memset, and the k/v input gradients (a contraction of 192) ran at
+ * 90 GFLOP/s where a square product reaches 300. Here both operands are packed so that the inner
+ * loop reads two contiguous streams and keeps its accumulators in registers:
+ *  - a weight of `rows` x k as [row block of 32][k pair][32 rows][2]: each k pair of a block is one
+ *    128-byte run, written straight from the quantized rows, in either orientation (the forward's
+ *    W, the backward's W^T), so the conversion the graph already paid for now also packs;
+ *  - activations (k x tokens, F32) as [token block of 12][k pair][12 tokens][2], converted to BF16
+ *    with round-to-nearest-even like ggml's own conversion of a product's input.
+ * A 32 x 12 tile of the result lives in 24 vector registers while the contraction runs; each step
+ * loads 32 rows' pair and broadcasts one pair per token into VDPBF16PS. Padding rows, tokens and
+ * an odd k are zeros written by the packing ops, so every tile runs the same loop and the edges
+ * are cut only when stored. Each output sums its k products in order, in F32 (ggml splits the sum
+ * over 16 lanes): results differ from ggml's in the last bits only.
+ */
+#include "rg_internal.h"
+
+#include "ggml-cpu.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define MR    32    /* rows of a weight block */
+#define NR    12    /* tokens of an activation block */
+#define SPAN  256   /* values of a row converted at a time: a multiple of every ggml block size */
+
+static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int rg_gemm_available(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    /* read at every graph build, so a test can compare both routes in one process */
+    const char * env = getenv("RETRO_PACKED_GEMM");
+    return ggml_cpu_has_avx512_bf16() && !(env && strcmp(env, "0") == 0);
+#else
+    return 0;
+#endif
+}
+
+bool rg_gemm_for_mode(int matmul_mode) {
+    return rg_gemm_available() && (matmul_mode == RG_MATMUL_BF16 || matmul_mode == RG_MATMUL_AUTO) &&
+           rg_conv_type(matmul_mode) == GGML_TYPE_BF16;
+}
+
+int64_t rg_gemm_k(const struct ggml_tensor * t) {
+    if (t->op != GGML_OP_CUSTOM || !t->src[0] || !t->src[1] || t->src[2]) return 0;
+    const struct ggml_tensor * a = t->src[0], * b = t->src[1];
+    if (a->type != GGML_TYPE_BF16 || b->type != GGML_TYPE_BF16 || a->ne[0] % (2 * MR) != 0) return 0;
+    const int64_t kp = a->ne[0] / (2 * MR);
+    return b->ne[0] == 2 * NR * kp && a->ne[1] == cdiv(t->ne[0], MR) && b->ne[1] == cdiv(t->ne[1], NR) ? 2 * kp : 0;
+}
+
+/* values [i0, i0 + n) of row r of a weight as BF16 (i0, n multiples of the block size, or the row's end) */
+static void row_span_bf16(const struct ggml_tensor * w, int64_t r, int64_t i0, int64_t n, float * tmp, uint16_t * out) {
+    const char * row = (const char *) w->data + r * w->nb[1];
+    if (w->type == GGML_TYPE_F32) {
+        memcpy(tmp, (const float *) row + i0, sizeof(float) * (size_t) n);
+    } else {
+        const size_t off = (size_t) (i0 / ggml_blck_size(w->type)) * ggml_type_size(w->type);
+        ggml_get_type_traits(w->type)->to_float(row + off, tmp, n);
+    }
+    ggml_cpu_fp32_to_bf16(tmp, (ggml_bf16_t *) out, n);
+}
+
+/* ---- packing a weight ----------------------------------------------------------------------- */
+/* userdata NULL: the weight as stored (rows = its n_out, k = n_in); else transposed (rows = n_in,
+ * k = n_out). dst: BF16 [2 MR kp, row blocks]. */
+static void pack_weight(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const struct ggml_tensor * w = dst->src[0];
+    const bool tr = userdata != NULL;
+    const int64_t n_in = w->ne[0], n_out = w->ne[1];
+    const int64_t rows = tr ? n_in : n_out, k = tr ? n_out : n_in, kp = cdiv(k, 2), nblk = cdiv(rows, MR);
+    uint16_t * out = dst->data;
+    float tmp[SPAN];
+    if (!tr) {
+        /* a block of 32 weight rows at a time, SPAN values of each */
+        uint16_t half[MR][SPAN];
+        for (int64_t b = ith; b < nblk; b += nth) {
+            const int64_t nr = rows - b * MR < MR ? rows - b * MR : MR;
+            uint16_t * ob = out + b * kp * 2 * MR;
+            for (int64_t i0 = 0; i0 < k; i0 += SPAN) {
+                const int64_t ns = k - i0 < SPAN ? k - i0 : SPAN;
+                for (int64_t r = 0; r < MR; r++) {
+                    if (r < nr) row_span_bf16(w, b * MR + r, i0, ns, tmp, half[r]);
+                    else memset(half[r], 0, sizeof(half[r]));
+                    if (ns % 2) half[r][ns] = 0;    /* the odd k's partner */
+                }
+                for (int64_t p = i0 / 2; p < (i0 + ns + 1) / 2; p++) {
+                    uint16_t * o = ob + p * 2 * MR;
+                    const int64_t i = 2 * p - i0;
+                    for (int r = 0; r < MR; r++) {
+                        o[2 * r] = half[r][i];
+                        o[2 * r + 1] = half[r][i + 1];
+                    }
+                }
+            }
+        }
+        return;
+    }
+    /* transposed: the pair of weight rows 2p, 2p + 1 gives k pair p of every block */
+    uint16_t h0[SPAN], h1[SPAN];
+    for (int64_t p = kp * ith / nth; p < kp * (ith + 1) / nth; p++) {
+        const bool second = 2 * p + 1 < n_out;
+        for (int64_t i0 = 0; i0 < n_in; i0 += SPAN) {
+            const int64_t ns = n_in - i0 < SPAN ? n_in - i0 : SPAN;
+            row_span_bf16(w, 2 * p, i0, ns, tmp, h0);
+            if (second) row_span_bf16(w, 2 * p + 1, i0, ns, tmp, h1);
+            else memset(h1, 0, sizeof(h1));
+            for (int64_t i = 0; i < ns; i++) {
+                const int64_t row = i0 + i;
+                uint16_t * o = out + ((row / MR) * kp + p) * 2 * MR + 2 * (row % MR);
+                o[0] = h0[i];
+                o[1] = h1[i];
+            }
+        }
+        for (int64_t row = rows; row < nblk * MR; row++) {    /* the last block's padding rows */
+            uint16_t * o = out + ((row / MR) * kp + p) * 2 * MR + 2 * (row % MR);
+            o[0] = o[1] = 0;
+        }
+    }
+}
+
+void rg_packed_weight_shape(const struct ggml_tensor * w, bool transposed, int64_t ne[2]) {
+    const int64_t rows = transposed ? w->ne[0] : w->ne[1], k = transposed ? w->ne[1] : w->ne[0];
+    ne[0] = 2 * MR * cdiv(k, 2);
+    ne[1] = cdiv(rows, MR);
+}
+
+struct ggml_tensor * rg_pack_weight(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed) {
+    int64_t ne[2];
+    rg_packed_weight_shape(w, transposed, ne);
+    struct ggml_tensor * args[1] = { w };
+    struct ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_BF16, ne[0], ne[1], 1, 1, args, 1,
+                                            pack_weight, GGML_N_TASKS_MAX, transposed ? (void *) 1 : NULL);
+    ggml_format_name(t, "%s (bf16, packed%s)", w->name, transposed ? ", transposed" : "");
+    return t;
+}
+
+/* ---- the product ---------------------------------------------------------------------------- */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+/* x: F32 [k, T] (columns contiguous, any column stride); dst: BF16 [2 NR kp, token blocks], one pair
+ * a 32-bit word with the even k in its low half. 32 values of a token at a time: converted by the
+ * instruction ggml converts a product's input with, scattered to their 16 pairs' places. */
+__attribute__((target("avx512f,avx512bf16")))
+static void pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const struct ggml_tensor * x = dst->src[0];
+    const int64_t k = x->ne[0], T = x->ne[1], kp = cdiv(k, 2), ntb = dst->ne[1];
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(NR));
+    uint32_t * out = dst->data;
+    for (int64_t tb = ntb * ith / nth; tb < ntb * (ith + 1) / nth; tb++) {
+        uint32_t * ob = out + tb * kp * NR;
+        for (int j = 0; j < NR; j++) {
+            const int64_t t = tb * NR + j;
+            const float * col = t < T ? (const float *) ((const char *) x->data + t * x->nb[1]) : NULL;
+            for (int64_t p0 = 0; p0 < kp; p0 += 16) {
+                const int64_t left = k - 2 * p0;     /* values from here to the end of the column */
+                const __mmask16 mlo = left >= 16 ? 0xffff : (__mmask16) ((1u << left) - 1);
+                const __mmask16 mhi = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16) ((1u << (left - 16)) - 1);
+                __m512i v = _mm512_setzero_si512();
+                if (col) {
+                    const __m512 lo = _mm512_maskz_loadu_ps(mlo, col + 2 * p0);
+                    const __m512 hi = _mm512_maskz_loadu_ps(mhi, col + 2 * p0 + 16);
+                    v = (__m512i) _mm512_cvtne2ps_pbh(hi, lo);
+                }
+                const int64_t np = kp - p0 < 16 ? kp - p0 : 16;
+                _mm512_mask_i32scatter_epi32(ob + p0 * NR + j, (__mmask16) ((1u << np) - 1), idx, v, 4);
+            }
+        }
+    }
+}
+
+/* C[t * ldc + r] = sum over k of A(r, k) B(k, t) for the nr rows and nt tokens of one tile; A and
+ * B point at the tile's packed blocks (kp pairs each) */
+__attribute__((target("avx512f,avx512bf16")))
+static void tile_32x12(const uint16_t * A, const uint32_t * B, int64_t kp, float * C, int64_t ldc, int nr, int nt) {
+#define RG_ZERO(j) __m512 c##j##a = _mm512_setzero_ps(), c##j##b = _mm512_setzero_ps();
+    RG_ZERO(0) RG_ZERO(1) RG_ZERO(2) RG_ZERO(3) RG_ZERO(4) RG_ZERO(5)
+    RG_ZERO(6) RG_ZERO(7) RG_ZERO(8) RG_ZERO(9) RG_ZERO(10) RG_ZERO(11)
+    for (int64_t p = 0; p < kp; p++) {
+        const __m512bh a0 = (__m512bh) _mm512_loadu_si512(A), a1 = (__m512bh) _mm512_loadu_si512(A + 32);
+#define RG_STEP(j) do {                                                         \
+            const __m512bh bj = (__m512bh) _mm512_set1_epi32((int) B[j]);    \
+            c##j##a = _mm512_dpbf16_ps(c##j##a, a0, bj);                     \
+            c##j##b = _mm512_dpbf16_ps(c##j##b, a1, bj);                     \
+        } while (0)
+        RG_STEP(0); RG_STEP(1); RG_STEP(2); RG_STEP(3); RG_STEP(4); RG_STEP(5);
+        RG_STEP(6); RG_STEP(7); RG_STEP(8); RG_STEP(9); RG_STEP(10); RG_STEP(11);
+        A += 2 * MR;
+        B += NR;
+    }
+    const __mmask16 ma = nr >= 16 ? 0xffff : (__mmask16) ((1u << nr) - 1);
+    const __mmask16 mb = nr >= 32 ? 0xffff : nr <= 16 ? 0 : (__mmask16) ((1u << (nr - 16)) - 1);
+#define RG_STORE(j) if (j < nt) {                                                \
+        _mm512_mask_storeu_ps(C + (j) * ldc, ma, c##j##a);                    \
+        _mm512_mask_storeu_ps(C + (j) * ldc + 16, mb, c##j##b);               \
+    }
+    RG_STORE(0) RG_STORE(1) RG_STORE(2) RG_STORE(3) RG_STORE(4) RG_STORE(5)
+    RG_STORE(6) RG_STORE(7) RG_STORE(8) RG_STORE(9) RG_STORE(10) RG_STORE(11)
+#undef RG_ZERO
+#undef RG_STEP
+#undef RG_STORE
+}
+
+/* dst [rows, T] F32 from the packed weight src[0] and the packed activations src[1]. Each thread
+ * takes a contiguous run of tiles, weight block by weight block, so a block stays in cache while
+ * the activations stream past it. */
+static void gemm(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const struct ggml_tensor * a = dst->src[0], * b = dst->src[1];
+    const int64_t rows = dst->ne[0], T = dst->ne[1], kp = a->ne[0] / (2 * MR);
+    const int64_t nblk = a->ne[1], ntb = b->ne[1], n = nblk * ntb;
+    const int64_t ldc = dst->nb[1] / sizeof(float);
+    const int64_t i0 = n * ith / nth, i1 = n * (ith + 1) / nth;
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t blk = i / ntb, tb = i % ntb;
+        const int nr = (int) (rows - blk * MR < MR ? rows - blk * MR : MR);
+        const int nt = (int) (T - tb * NR < NR ? T - tb * NR : NR);
+        tile_32x12((const uint16_t *) a->data + blk * kp * 2 * MR, (const uint32_t *) b->data + tb * kp * NR, kp,
+                   (float *) dst->data + tb * NR * ldc + blk * MR, ldc, nr, nt);
+    }
+}
+#else
+/* never built: rg_gemm_available() is false */
+static void pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata) { (void) dst; (void) ith; (void) nth; (void) userdata; }
+static void gemm(struct ggml_tensor * dst, int ith, int nth, void * userdata) { (void) dst; (void) ith; (void) nth; (void) userdata; }
+#endif
+
+bool rg_pack_act_fits(const struct ggml_tensor * x) {
+    return x->type == GGML_TYPE_F32 && x->nb[0] == sizeof(float) && x->ne[2] == 1 && x->ne[3] == 1 &&
+           x->nb[1] % sizeof(float) == 0;
+}
+
+struct ggml_tensor * rg_pack_act(struct ggml_context * ctx, struct ggml_tensor * x) {
+    struct ggml_tensor * args[1] = { x };
+    struct ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_BF16, 2 * NR * cdiv(x->ne[0], 2), cdiv(x->ne[1], NR), 1, 1,
+                                            args, 1, pack_act, GGML_N_TASKS_MAX, NULL);
+    ggml_format_name(t, "%s (bf16, packed)", x->name);
+    return t;
+}
+
+struct ggml_tensor * rg_gemm(struct ggml_context * ctx, struct ggml_tensor * packed_w, struct ggml_tensor * packed_x,
+                             int64_t rows, int64_t n_tokens) {
+    struct ggml_tensor * args[2] = { packed_w, packed_x };
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, rows, n_tokens, 1, 1, args, 2, gemm, GGML_N_TASKS_MAX, NULL);
+}
+
+/* ---- a check against an oracle ---------------------------------------------------------------- */
+rg_status rg_gemm_check(int type, const float * w, int64_t n_out, int64_t n_in, const float * x, int64_t n_tokens,
+                        int transposed, int n_threads, float * out, float * w_dequant) {
+    if (!rg_gemm_available()) return rg_fail(RG_ERR_ARG, "the packed BF16 product needs a CPU with AVX512-BF16");
+    if (type < 0 || type >= GGML_TYPE_COUNT || n_out < 1 || n_in < 1 || n_tokens < 1 || n_threads < 1) {
+        return rg_fail(RG_ERR_ARG, "gemm check: bad arguments (type %d, %lld x %lld, %lld tokens, %d threads)", type,
+                       (long long) n_out, (long long) n_in, (long long) n_tokens, n_threads);
+    }
+    const enum ggml_type t = (enum ggml_type) type;
+    if (t != GGML_TYPE_F32 && (!ggml_is_quantized(t) || n_in % ggml_blck_size(t) != 0)) {
+        return rg_fail(RG_ERR_ARG, "gemm check: type %s with rows of %lld", ggml_type_name(t), (long long) n_in);
+    }
+    const int64_t k = transposed ? n_out : n_in, rows = transposed ? n_in : n_out;
+    const size_t bytes = ggml_row_size(t, n_in) * (size_t) n_out + sizeof(float) * (size_t) (k * n_tokens + rows * n_tokens) +
+                         2 * (size_t) (2 * MR * cdiv(k, 2) * cdiv(rows, MR) + 2 * NR * cdiv(k, 2) * cdiv(n_tokens, NR)) +
+                         ggml_tensor_overhead() * 8 + ggml_graph_overhead() + (1u << 20);
+    struct ggml_init_params ip = { bytes, NULL, false };
+    struct ggml_context * ctx = ggml_init(ip);
+    if (!ctx) return rg_fail(RG_ERR_NOMEM, "gemm check: out of host memory (%zu bytes)", bytes);
+    struct ggml_tensor * wq = ggml_new_tensor_2d(ctx, t, n_in, n_out);
+    ggml_set_name(wq, "w");
+    if (t == GGML_TYPE_F32) memcpy(wq->data, w, sizeof(float) * (size_t) (n_in * n_out));
+    else ggml_quantize_chunk(t, w, wq->data, 0, n_out, n_in, NULL);
+    for (int64_t r = 0; r < n_out; r++) {
+        const char * row = (const char *) wq->data + r * wq->nb[1];
+        if (t == GGML_TYPE_F32) memcpy(w_dequant + r * n_in, row, sizeof(float) * (size_t) n_in);
+        else ggml_get_type_traits(t)->to_float(row, w_dequant + r * n_in, n_in);
+    }
+    struct ggml_tensor * xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n_tokens);
+    ggml_set_name(xt, "x");
+    memcpy(xt->data, x, sizeof(float) * (size_t) (k * n_tokens));
+    struct ggml_tensor * y = rg_gemm(ctx, rg_pack_weight(ctx, wq, transposed != 0), rg_pack_act(ctx, xt), rows, n_tokens);
+    struct ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, y);
+    rg_status st = ggml_graph_compute_with_ctx(ctx, gf, n_threads) == GGML_STATUS_SUCCESS
+        ? RG_OK : rg_fail(RG_ERR_COMPUTE, "gemm check: the product failed");
+    if (st == RG_OK) memcpy(out, y->data, sizeof(float) * (size_t) (rows * n_tokens));
+    ggml_free(ctx);
+    return st;
+}
