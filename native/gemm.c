@@ -33,9 +33,12 @@ static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int rg_gemm_available(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    /* read at every graph build, so a test can compare both routes in one process */
+    /* read at every graph build, so a test can compare both routes in one process. ggml says what it
+     * was compiled for, the CPU what it runs: both must have the instruction */
     const char * env = getenv("RETRO_PACKED_GEMM");
-    return ggml_cpu_has_avx512_bf16() && !(env && strcmp(env, "0") == 0);
+    if (env && strcmp(env, "0") == 0) return 0;
+    __builtin_cpu_init();
+    return ggml_cpu_has_avx512_bf16() && __builtin_cpu_supports("avx512bf16");
 #else
     return 0;
 #endif
@@ -46,12 +49,14 @@ bool rg_gemm_for_mode(int matmul_mode) {
            rg_conv_type(matmul_mode) == GGML_TYPE_BF16;
 }
 
-int64_t rg_gemm_k(const struct ggml_tensor * t) {
-    if (t->op != GGML_OP_CUSTOM || !t->src[0] || !t->src[1] || t->src[2]) return 0;
-    const struct ggml_tensor * a = t->src[0], * b = t->src[1];
-    if (a->type != GGML_TYPE_BF16 || b->type != GGML_TYPE_BF16 || a->ne[0] % (2 * MR) != 0) return 0;
+double rg_gemm_flops(const struct ggml_tensor * t) {
+    if (t->op != GGML_OP_CUSTOM || !t->src[0] || !t->src[1]) return 0.0;
+    const struct ggml_tensor * a = t->src[0], * b = t->src[1], * v = t->src[2], * z = t->src[3];
+    if (a->type != GGML_TYPE_BF16 || b->type != GGML_TYPE_BF16 || a->ne[0] % (2 * MR) != 0) return 0.0;
     const int64_t kp = a->ne[0] / (2 * MR);
-    return b->ne[0] == 2 * NR * kp && a->ne[1] == cdiv(t->ne[0], MR) && b->ne[1] == cdiv(t->ne[1], NR) ? 2 * kp : 0;
+    if (b->ne[0] != 2 * NR * kp || a->ne[1] != cdiv(t->ne[0], MR) || b->ne[1] != cdiv(t->ne[1], NR)) return 0.0;
+    const double r = v && z ? (double) v->ne[1] : 0.0;
+    return 2.0 * ((double) (2 * kp) + r) * (double) ggml_nelements(t);
 }
 
 /* values [i0, i0 + n) of row r of a weight as BF16 (i0, n multiples of the block size, or the row's end) */
@@ -177,10 +182,19 @@ static void pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata
     }
 }
 
+/* an optional low-rank term added to a tile: V [rows, r] (column q at V + q ldv) times Z [r, T]
+ * (token t's values at Z + t ldz), both F32, pointed at the tile's first row and token */
+typedef struct {
+    const float * V, * Z;
+    int64_t       ldv, ldz;
+    int           r;
+} rg_lowrank;
+
 /* C[t * ldc + r] = sum over k of A(r, k) B(k, t) for the nr rows and nt tokens of one tile; A and
  * B point at the tile's packed blocks (kp pairs each) */
 __attribute__((target("avx512f,avx512bf16")))
-static void tile_32x12(const uint16_t * A, const uint32_t * B, int64_t kp, float * C, int64_t ldc, int nr, int nt) {
+static void tile_32x12(const uint16_t * A, const uint32_t * B, int64_t kp, float * C, int64_t ldc, int nr, int nt,
+                       const rg_lowrank * lr) {
 #define RG_ZERO(j) __m512 c##j##a = _mm512_setzero_ps(), c##j##b = _mm512_setzero_ps();
     RG_ZERO(0) RG_ZERO(1) RG_ZERO(2) RG_ZERO(3) RG_ZERO(4) RG_ZERO(5)
     RG_ZERO(6) RG_ZERO(7) RG_ZERO(8) RG_ZERO(9) RG_ZERO(10) RG_ZERO(11)
@@ -198,6 +212,21 @@ static void tile_32x12(const uint16_t * A, const uint32_t * B, int64_t kp, float
     }
     const __mmask16 ma = nr >= 16 ? 0xffff : (__mmask16) ((1u << nr) - 1);
     const __mmask16 mb = nr >= 32 ? 0xffff : nr <= 16 ? 0 : (__mmask16) ((1u << (nr - 16)) - 1);
+    if (lr) {
+        /* + V Z over the rank, in F32: V's 32 rows of column q times token j's value q */
+        for (int q = 0; q < lr->r; q++) {
+            const __m512 v0 = _mm512_maskz_loadu_ps(ma, lr->V + q * lr->ldv);
+            const __m512 v1 = _mm512_maskz_loadu_ps(mb, lr->V + q * lr->ldv + 16);
+#define RG_LR(j) if (j < nt) {                                                   \
+            const __m512 zj = _mm512_set1_ps(lr->Z[(j) * lr->ldz + q]);           \
+            c##j##a = _mm512_fmadd_ps(v0, zj, c##j##a);                           \
+            c##j##b = _mm512_fmadd_ps(v1, zj, c##j##b);                           \
+        }
+            RG_LR(0) RG_LR(1) RG_LR(2) RG_LR(3) RG_LR(4) RG_LR(5)
+            RG_LR(6) RG_LR(7) RG_LR(8) RG_LR(9) RG_LR(10) RG_LR(11)
+#undef RG_LR
+        }
+    }
 #define RG_STORE(j) if (j < nt) {                                                \
         _mm512_mask_storeu_ps(C + (j) * ldc, ma, c##j##a);                    \
         _mm512_mask_storeu_ps(C + (j) * ldc + 16, mb, c##j##b);               \
@@ -214,7 +243,7 @@ static void tile_32x12(const uint16_t * A, const uint32_t * B, int64_t kp, float
  * the activations stream past it. */
 static void gemm(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) userdata;
-    const struct ggml_tensor * a = dst->src[0], * b = dst->src[1];
+    const struct ggml_tensor * a = dst->src[0], * b = dst->src[1], * v = dst->src[2], * z = dst->src[3];
     const int64_t rows = dst->ne[0], T = dst->ne[1], kp = a->ne[0] / (2 * MR);
     const int64_t nblk = a->ne[1], ntb = b->ne[1], n = nblk * ntb;
     const int64_t ldc = dst->nb[1] / sizeof(float);
@@ -223,8 +252,16 @@ static void gemm(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
         const int64_t blk = i / ntb, tb = i % ntb;
         const int nr = (int) (rows - blk * MR < MR ? rows - blk * MR : MR);
         const int nt = (int) (T - tb * NR < NR ? T - tb * NR : NR);
+        rg_lowrank lr;
+        if (v) {
+            lr.V = (const float *) v->data + blk * MR;
+            lr.ldv = v->nb[1] / sizeof(float);
+            lr.Z = (const float *) z->data + tb * NR * (z->nb[1] / sizeof(float));
+            lr.ldz = z->nb[1] / sizeof(float);
+            lr.r = (int) v->ne[1];
+        }
         tile_32x12((const uint16_t *) a->data + blk * kp * 2 * MR, (const uint32_t *) b->data + tb * kp * NR, kp,
-                   (float *) dst->data + tb * NR * ldc + blk * MR, ldc, nr, nt);
+                   (float *) dst->data + tb * NR * ldc + blk * MR, ldc, nr, nt, v ? &lr : NULL);
     }
 }
 #else
@@ -252,9 +289,22 @@ struct ggml_tensor * rg_gemm(struct ggml_context * ctx, struct ggml_tensor * pac
     return ggml_custom_4d(ctx, GGML_TYPE_F32, rows, n_tokens, 1, 1, args, 2, gemm, GGML_N_TASKS_MAX, NULL);
 }
 
+bool rg_gemm_lowrank_fits(const struct ggml_tensor * v, const struct ggml_tensor * z, int64_t rows, int64_t n_tokens) {
+    return v->type == GGML_TYPE_F32 && z->type == GGML_TYPE_F32 && v->nb[0] == sizeof(float) && z->nb[0] == sizeof(float) &&
+           v->ne[0] == rows && z->ne[1] == n_tokens && v->ne[1] == z->ne[0] && v->ne[2] == 1 && z->ne[2] == 1 &&
+           v->ne[3] == 1 && z->ne[3] == 1 && v->nb[1] % sizeof(float) == 0 && z->nb[1] % sizeof(float) == 0;
+}
+
+struct ggml_tensor * rg_gemm_lowrank(struct ggml_context * ctx, struct ggml_tensor * packed_w, struct ggml_tensor * packed_x,
+                                     struct ggml_tensor * v, struct ggml_tensor * z) {
+    struct ggml_tensor * args[4] = { packed_w, packed_x, v, z };
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, v->ne[0], z->ne[1], 1, 1, args, 4, gemm, GGML_N_TASKS_MAX, NULL);
+}
+
 /* ---- a check against an oracle ---------------------------------------------------------------- */
 rg_status rg_gemm_check(int type, const float * w, int64_t n_out, int64_t n_in, const float * x, int64_t n_tokens,
-                        int transposed, int n_threads, float * out, float * w_dequant) {
+                        int transposed, const float * v, const float * z, int rank, int n_threads, float * out,
+                        float * w_dequant) {
     if (!rg_gemm_available()) return rg_fail(RG_ERR_ARG, "the packed BF16 product needs a CPU with AVX512-BF16");
     if (type < 0 || type >= GGML_TYPE_COUNT || n_out < 1 || n_in < 1 || n_tokens < 1 || n_threads < 1) {
         return rg_fail(RG_ERR_ARG, "gemm check: bad arguments (type %d, %lld x %lld, %lld tokens, %d threads)", type,
@@ -267,7 +317,8 @@ rg_status rg_gemm_check(int type, const float * w, int64_t n_out, int64_t n_in, 
     const int64_t k = transposed ? n_out : n_in, rows = transposed ? n_in : n_out;
     const size_t bytes = ggml_row_size(t, n_in) * (size_t) n_out + sizeof(float) * (size_t) (k * n_tokens + rows * n_tokens) +
                          2 * (size_t) (2 * MR * cdiv(k, 2) * cdiv(rows, MR) + 2 * NR * cdiv(k, 2) * cdiv(n_tokens, NR)) +
-                         ggml_tensor_overhead() * 8 + ggml_graph_overhead() + (1u << 20);
+                         sizeof(float) * (size_t) (rank * (rows + n_tokens)) + ggml_tensor_overhead() * 8 +
+                         ggml_graph_overhead() + (1u << 20);
     struct ggml_init_params ip = { bytes, NULL, false };
     struct ggml_context * ctx = ggml_init(ip);
     if (!ctx) return rg_fail(RG_ERR_NOMEM, "gemm check: out of host memory (%zu bytes)", bytes);
@@ -283,7 +334,16 @@ rg_status rg_gemm_check(int type, const float * w, int64_t n_out, int64_t n_in, 
     struct ggml_tensor * xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n_tokens);
     ggml_set_name(xt, "x");
     memcpy(xt->data, x, sizeof(float) * (size_t) (k * n_tokens));
-    struct ggml_tensor * y = rg_gemm(ctx, rg_pack_weight(ctx, wq, transposed != 0), rg_pack_act(ctx, xt), rows, n_tokens);
+    struct ggml_tensor * pw = rg_pack_weight(ctx, wq, transposed != 0), * px = rg_pack_act(ctx, xt), * y;
+    if (rank > 0 && v && z) {
+        struct ggml_tensor * vt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, rows, rank);
+        struct ggml_tensor * zt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, rank, n_tokens);
+        memcpy(vt->data, v, sizeof(float) * (size_t) (rows * rank));
+        memcpy(zt->data, z, sizeof(float) * (size_t) (rank * n_tokens));
+        y = rg_gemm_lowrank(ctx, pw, px, vt, zt);
+    } else {
+        y = rg_gemm(ctx, pw, px, rows, n_tokens);
+    }
     struct ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, y);
     rg_status st = ggml_graph_compute_with_ctx(ctx, gf, n_threads) == GGML_STATUS_SUCCESS

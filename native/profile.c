@@ -32,8 +32,8 @@ static int node_kind(const rg_model * m, int rank, const struct ggml_tensor * t)
 }
 
 static double node_flops(const struct ggml_tensor * t) {
-    const int64_t k = rg_gemm_k(t);
-    if (k) return 2.0 * (double) k * (double) ggml_nelements(t);
+    const double gemm = rg_gemm_flops(t);
+    if (gemm > 0) return gemm;
     if (t->op == GGML_OP_MUL_MAT) return 2.0 * (double) t->src[0]->ne[0] * (double) ggml_nelements(t);
     if (t->op == GGML_OP_OUT_PROD || (t->op == GGML_OP_CUSTOM && t->src[1] != NULL)) {
         return 2.0 * (double) t->src[0]->ne[1] * (double) ggml_nelements(t);

@@ -284,12 +284,15 @@ rg_status rg_matmul_bench(int type, int64_t m, int64_t n, int64_t k, int n_threa
 /* The packed BF16 product (gemm.c) on its own, for tests against an oracle: w [n_out, n_in] (row-major
  * floats) is quantized to ggml type `type` (or kept, F32) and written back dequantized to w_dequant;
  * out = W x for x [n_tokens, n_in], or W^T x for x [n_tokens, n_out] when transposed, each row of out
- * one token's outputs. RG_ERR_ARG on a CPU without AVX512-BF16 (or RETRO_PACKED_GEMM=0). */
+ * one token's outputs; with rank > 0, plus the low-rank term V Z for v [rank, rows] and z
+ * [n_tokens, rank] (F32, not rounded). RG_ERR_ARG on a CPU without AVX512-BF16 (or
+ * RETRO_PACKED_GEMM=0). */
 /* 1 where the packed BF16 product runs: a CPU with AVX512-BF16, RETRO_PACKED_GEMM not "0" (the
  * training graph then multiplies the converted base weights through it, gemm.c) */
 int       rg_gemm_available(void);
 rg_status rg_gemm_check(int type, const float * w, int64_t n_out, int64_t n_in, const float * x, int64_t n_tokens,
-                        int transposed, int n_threads, float * out, float * w_dequant);
+                        int transposed, const float * v, const float * z, int rank, int n_threads, float * out,
+                        float * w_dequant);
 /* ---- weight formats ------------------------------------------------------------------------ */
 /* type is a ggml type number (GGUF stores the same). Bytes of n_rows rows (0: not a format whose
  * blocks fill rows of n_per_row values); rows to floats; floats to rows with ggml's quantizer

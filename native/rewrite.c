@@ -10,11 +10,13 @@
  *    for weight gradients, products over the rank), with no transposed copies;
  *  - consumers of a composite op listed in b->subst_from read the fused op instead;
  *  - nodes are re-expanded into a fresh graph in which a weight's dequantized copy comes right
- *    before its user (rg_graph_reordered), so only one layer's copies are live at a time.
+ *    before its user (`reordered`), so only one layer's copies are live at a time.
  * Nodes change in place (`become`): the backward's references to them stay valid.
  */
 #include "rg_internal.h"
 
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 bool rg_is_base_weight(const rg_model * m, const struct ggml_tensor * t) {
@@ -29,12 +31,6 @@ struct ggml_tensor * rg_base_weight_of(const rg_model * m, struct ggml_tensor * 
         t = t->src[0];
     }
     return t;
-}
-
-/* a composite op replaced by its fused twin (b->subst_from): left out of the rewritten graph */
-static bool is_dead(const rg_graph_build * b, const struct ggml_tensor * t) {
-    for (int i = 0; i < b->n_subst; i++) if (b->subst_from[i] == t) return true;
-    return false;
 }
 
 /* per-graph copies made once per source even when several products need them: cont(transpose(t))
@@ -100,18 +96,64 @@ static bool input_free(const struct ggml_tensor * t, int depth) {
     return true;
 }
 
+/* left out of the rewritten graph: a composite op replaced by its fused twin (b->subst_from), and the
+ * two products a fused LoRA product replaced (`dead`) */
+static bool is_dead(const rg_graph_build * b, const rg_transposes * dead, const struct ggml_tensor * t) {
+    for (int i = 0; i < b->n_subst; i++) if (b->subst_from[i] == t) return true;
+    return memo_find(dead, t) != NULL;
+}
+
+/* how many of gf's nodes read each tensor, counted once before the rewrite changes any source: an
+ * open-addressing table keyed by address (a full table answers "many", which only forgoes a fusion) */
+#define RG_USERS_SLOTS (1 << 16)
+typedef struct {
+    const struct ggml_tensor * key[RG_USERS_SLOTS];
+    int                        n[RG_USERS_SLOTS];
+    int                        used;
+} rg_users;
+
+static size_t users_slot(const rg_users * u, const struct ggml_tensor * t) {
+    size_t h = ((uintptr_t) t >> 4) * 0x9E3779B97F4A7C15ull;
+    for (size_t i = 0; i < RG_USERS_SLOTS; i++) {
+        const size_t k = (h + i) & (RG_USERS_SLOTS - 1);
+        if (u->key[k] == t || u->key[k] == NULL) return k;
+    }
+    return SIZE_MAX;
+}
+
+static void users_count(rg_users * u, struct ggml_cgraph * gf) {
+    for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
+        const struct ggml_tensor * node = ggml_graph_node(gf, i);
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (!node->src[j] || u->used >= RG_USERS_SLOTS / 2) continue;
+            const size_t k = users_slot(u, node->src[j]);
+            if (u->key[k] == NULL) {
+                u->key[k] = node->src[j];
+                u->used++;
+            }
+            u->n[k]++;
+        }
+    }
+}
+
+static int users(const rg_users * u, const struct ggml_tensor * t) {
+    if (!u || u->used >= RG_USERS_SLOTS / 2) return INT32_MAX;
+    const size_t k = users_slot(u, t);
+    return k != SIZE_MAX && u->key[k] == t ? u->n[k] : 0;
+}
+
 /* gf's nodes in a fresh graph, in their order, except that a node which depends on no input (a
  * weight's dequantized copy) is placed right before its first user. ggml's depth-first expansion
  * puts such nodes first: from the last layer back, each layer's first matmul visits its weight
  * before the activations, which pull in all the layers below, so every layer's dequantized copy
  * would be live from the start of the graph to its use (5.8 GB of F16 weights on a 7B model). */
-struct ggml_cgraph * rg_graph_reordered(struct ggml_context * ctx, struct ggml_cgraph * gf, size_t size,
-                                        const rg_graph_build * b) {
+static struct ggml_cgraph * reordered(struct ggml_context * ctx, struct ggml_cgraph * gf, size_t size,
+                                       const rg_graph_build * b, const rg_transposes * dead) {
     struct ggml_cgraph * g2 = ggml_new_graph_custom(ctx, size, false);
     const int n = ggml_graph_n_nodes(gf);
     for (int i = 0; i < n; i++) {
         struct ggml_tensor * node = ggml_graph_node(gf, i);
-        if (is_dead(b, node) || input_free(node, 4)) continue;     /* pulled in by their users */
+        if (is_dead(b, dead, node) || input_free(node, 4)) continue;     /* pulled in by their users */
         ggml_build_forward_expand(g2, node);
     }
     return g2;
@@ -128,8 +170,12 @@ static void become(struct ggml_tensor * node, const struct ggml_tensor * op) {
 struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * gf, size_t size) {
     struct ggml_context * ctx = b->ctx;
     const int n = ggml_graph_n_nodes(gf);
-    static __thread rg_transposes tc, dq, pw, pwt, pa;
-    tc.n = dq.n = pw.n = pwt.n = pa.n = 0;
+    /* fg: the forward's base products made gemm.c's; lb: LoRA's B (A x) made rank_expand's; dead: the
+     * pairs of those fused into one product */
+    static __thread rg_transposes tc, dq, pw, pwt, pa, fg, lb, dead;
+    tc.n = dq.n = pw.n = pwt.n = pa.n = fg.n = lb.n = dead.n = 0;
+    rg_users * uc = b->packed ? calloc(1, sizeof(rg_users)) : NULL;     /* NULL: no fusion */
+    if (uc) users_count(uc, gf);
     for (int i = 0; i < n; i++) {
         struct ggml_tensor * node = ggml_graph_node(gf, i);
         for (int j = 0; j < GGML_MAX_SRC; j++) {
@@ -149,6 +195,21 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
                 node->ne[0] == w->ne[1] && node->ne[2] == 1 && rg_pack_act_fits(x)) {
                 become(node, rg_gemm(ctx, packed_weight(&pw, ctx, b->model, w, false), packed_act(&pa, ctx, x),
                                      node->ne[0], node->ne[1]));
+                memo_keep(&fg, node, node);
+                continue;
+            }
+        }
+        if (node->op == GGML_OP_ADD && own && b->packed && dead.n + 2 <= 1024 && memo_find(&fg, node->src[0]) &&
+            memo_find(&lb, node->src[1])) {
+            /* W x + B (s A x): LoRA's product added in the packed product's epilogue, so neither
+             * [n_out, T] term is written and read back. Only when the add is each one's sole reader
+             * (the backward reads their inputs, not their outputs). */
+            struct ggml_tensor * g = node->src[0], * r = node->src[1];
+            if (ggml_are_same_shape(node, g) && rg_gemm_lowrank_fits(r->src[0], r->src[1], g->ne[0], g->ne[1]) &&
+                users(uc, g) == 1 && users(uc, r) == 1) {
+                become(node, rg_gemm_lowrank(ctx, g->src[0], g->src[1], r->src[0], r->src[1]));
+                memo_keep(&dead, g, g);
+                memo_keep(&dead, r, r);
                 continue;
             }
         }
@@ -158,7 +219,10 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
             struct ggml_tensor * m = node->src[0];
             if ((m->flags & GGML_TENSOR_FLAG_PARAM) && m->ne[0] < m->ne[1] && m->ne[0] <= RG_RANK_EXPAND_MAX) {
                 struct ggml_tensor * v = transposed(&tc, ctx, m);
-                if (rg_rank_expand_fits(v, node->src[1])) become(node, rg_rank_expand(ctx, v, node->src[1]));
+                if (rg_rank_expand_fits(v, node->src[1])) {
+                    become(node, rg_rank_expand(ctx, v, node->src[1]));
+                    memo_keep(&lb, node, node);
+                }
             }
             continue;
         }
@@ -218,5 +282,6 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
         node->src[0] = x;
         node->src[1] = y;
     }
-    return rg_graph_reordered(ctx, gf, size, b);
+    free(uc);
+    return reordered(ctx, gf, size, b, &dead);
 }

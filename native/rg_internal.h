@@ -176,8 +176,6 @@ bool                 rg_is_base_weight(const rg_model * m, const struct ggml_ten
 /* the base weight a tensor was converted from (through casts and copies), or NULL */
 struct ggml_tensor * rg_base_weight_of(const rg_model * m, struct ggml_tensor * t);
 struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * gf, size_t size);
-struct ggml_cgraph * rg_graph_reordered(struct ggml_context * ctx, struct ggml_cgraph * gf, size_t size,
-                                        const rg_graph_build * b);
 
 struct ggml_tensor * rg_dequant(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed, enum ggml_type type);
 /* the weight cache (wcache.c): w's cached copy of that type (NULL: none); a cached copy's base
@@ -202,14 +200,21 @@ bool rg_rank_expand_fits(const struct ggml_tensor * v, const struct ggml_tensor 
 /* gemm.c: the frozen weights' BF16 products through packed operands (see there; rg_gemm_available
  * in retrograd.h says whether this CPU runs them). A weight packed as stored (rows = n_out) or
  * transposed (rows = n_in); activations [k, T] packed (fits: F32, 2-D, columns contiguous); their
- * product [rows, T]; rg_gemm_k: the (even-rounded) contraction of such a product node, else 0. */
+ * product [rows, T]. */
 struct ggml_tensor * rg_pack_weight(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed);
 void                 rg_packed_weight_shape(const struct ggml_tensor * w, bool transposed, int64_t ne[2]);
 bool                 rg_pack_act_fits(const struct ggml_tensor * x);
 struct ggml_tensor * rg_pack_act(struct ggml_context * ctx, struct ggml_tensor * x);
 struct ggml_tensor * rg_gemm(struct ggml_context * ctx, struct ggml_tensor * packed_w, struct ggml_tensor * packed_x,
                              int64_t rows, int64_t n_tokens);
-int64_t              rg_gemm_k(const struct ggml_tensor * t);
+/* the same product plus v z (v F32 [rows, r], z F32 [r, T], columns contiguous) in its epilogue:
+ * LoRA's B (s A x) without its own [rows, T] tensor and the add */
+bool                 rg_gemm_lowrank_fits(const struct ggml_tensor * v, const struct ggml_tensor * z, int64_t rows,
+                                          int64_t n_tokens);
+struct ggml_tensor * rg_gemm_lowrank(struct ggml_context * ctx, struct ggml_tensor * packed_w, struct ggml_tensor * packed_x,
+                                     struct ggml_tensor * v, struct ggml_tensor * z);
+/* the FLOPs of a gemm.c product node (its contraction rounded up to even, plus the low-rank term), else 0 */
+double               rg_gemm_flops(const struct ggml_tensor * t);
 /* whether a graph of this matmul mode multiplies converted base weights through gemm.c (BF16 modes on
  * a CPU that runs it); the weight cache then holds packed copies */
 bool                 rg_gemm_for_mode(int matmul_mode);

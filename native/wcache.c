@@ -4,8 +4,10 @@
  * every quantized weight twice per micro-batch (forward and, transposed, backward: about a tenth
  * of an SFT step on the default model, docs/benchmarks.md).
  *
- * The base never changes, so the copies are made once and stay valid; convert.c's op makes them,
- * so a graph that reads them computes bit for bit what it computed before. Within a byte budget,
+ * Where the graph multiplies through gemm.c (BF16 on CPUs with AVX512-BF16) the copies are packed
+ * for it instead, by its own packing op. The base never changes, so the copies are made once and
+ * stay valid; the op the graph would run makes them, so a graph that reads them computes bit for
+ * bit what it computed before. Within a byte budget,
  * transposed copies come first (the backward's conversion is the dearer one), then forward ones, layer by
  * layer. CPU only: on another device the graph casts with ggml's own ops.
  */

@@ -422,10 +422,11 @@ def matmul_bench(type_name: str, m: int, n: int, k: int, *, threads: int, reps: 
 
 
 def gemm_check(type_name: str, w: np.ndarray, x: np.ndarray, *, transposed: bool = False,
-               threads: int = 2) -> tuple[np.ndarray, np.ndarray]:
+               lowrank: tuple[np.ndarray, np.ndarray] | None = None, threads: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """The packed BF16 product (native/gemm.c) on its own: `w` [n_out, n_in] quantized to `type_name`,
-    times `x` [tokens, n_in] (or W^T times `x` [tokens, n_out] when `transposed`). Returns the product
-    [tokens, rows] and W as quantized, dequantized, for an oracle. Raises on a CPU without AVX512-BF16."""
+    times `x` [tokens, n_in] (or W^T times `x` [tokens, n_out] when `transposed`), plus `z @ v` for
+    `lowrank` = (v [rank, rows], z [tokens, rank]). Returns the product [tokens, rows] and W as
+    quantized, dequantized, for an oracle. Raises on a CPU without AVX512-BF16."""
     if type_name not in _GGML_TYPES:
         raise ValueError(f"gemm_check: unknown type {type_name!r} (one of {', '.join(_GGML_TYPES)})")
     w = np.ascontiguousarray(w, dtype=np.float32)
@@ -434,8 +435,12 @@ def gemm_check(type_name: str, w: np.ndarray, x: np.ndarray, *, transposed: bool
     rows = n_in if transposed else n_out
     out = np.empty((x.shape[0], rows), np.float32)
     deq = np.empty_like(w)
+    v = z = np.zeros(0, np.float32)
+    if lowrank is not None:
+        v, z = (np.ascontiguousarray(a, dtype=np.float32) for a in lowrank)
     _check(lib.rg_gemm_check(_GGML_TYPES[type_name], _ptr(w, "float *"), n_out, n_in, _ptr(x, "float *"), x.shape[0],
-                             int(transposed), threads, _ptr(out, "float *"), _ptr(deq, "float *")))
+                             int(transposed), _ptr(v, "float *"), _ptr(z, "float *"), v.shape[0] if v.size else 0,
+                             threads, _ptr(out, "float *"), _ptr(deq, "float *")))
     return out, deq
 
 

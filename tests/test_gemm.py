@@ -48,6 +48,29 @@ def test_packed_product_matches_the_oracle(qtype, n_out, n_in, tokens, transpose
         assert not np.array_equal(deq, w)
 
 
+@pytest.mark.parametrize(("n_out", "tokens", "rank", "transposed"), [(70, 13, 4, False), (64, 256, 16, False),
+                                                                     (40, 25, 3, True)])
+def test_low_rank_epilogue_matches_the_oracle(n_out, tokens, rank, transposed):
+    """The product plus a low-rank term V Z (LoRA's B (s A x), added inside the tiles): the term in
+    F32, unrounded, on top of the BF16 product; partial row and token blocks included."""
+    rng = np.random.default_rng(n_out + rank)
+    n_in = 96
+    rows = n_in if transposed else n_out
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32)
+    x = rng.standard_normal((tokens, n_out if transposed else n_in)).astype(np.float32)
+    v = rng.standard_normal((rank, rows)).astype(np.float32)
+    z = rng.standard_normal((tokens, rank)).astype(np.float32)
+    out, deq = native.gemm_check("q4_1", w, x, transposed=transposed, lowrank=(v, z), threads=THREADS)
+    wm = bf16(deq).astype(np.float64)
+    m = wm if transposed else wm.T
+    xm = bf16(x).astype(np.float64)
+    ref = xm @ m + z.astype(np.float64) @ v.astype(np.float64)
+    scale = np.abs(xm) @ np.abs(m) + np.abs(z.astype(np.float64)) @ np.abs(v.astype(np.float64))
+    assert np.max(np.abs(out - ref) / scale) < 1e-6
+    plain, _ = native.gemm_check("q4_1", w, x, transposed=transposed, threads=THREADS)
+    assert np.max(np.abs(out - plain)) > 0.1      # the term was really added
+
+
 def _run(tr: Trainable, b: native.Batch, coeff: np.ndarray):
     seen = {}
 
