@@ -14,9 +14,8 @@
 #define RG_TILE 32    /* rows of the weight per tile */
 #define RG_SPAN 256   /* values of a row per pass: a multiple of every ggml block size */
 
-/* Values [i0, i0 + n) of a weight row as F32 (i0 and n multiples of the type's block size). */
-static void row_span_f32(const struct ggml_tensor * w, const void * row, int64_t i0, int64_t n,
-                         ggml_to_float_t to_float, float * out) {
+void rg_row_span_f32(const struct ggml_tensor * w, const void * row, int64_t i0, int64_t n,
+                     ggml_to_float_t to_float, float * out) {
     if (w->type == GGML_TYPE_F32) {
         for (int64_t i = 0; i < n; i++) out[i] = ((const float *) row)[i0 + i];
     } else {
@@ -48,7 +47,7 @@ static void dequant_half(struct ggml_tensor * dst, int ith, int nth, void * user
                 ggml_fp16_t * out = (ggml_fp16_t *) ((char *) dst->data + r * dst->nb[1]);
                 for (int64_t i0 = 0; i0 < n_in; i0 += RG_TILE * RG_SPAN) {
                     const int64_t ns = n_in - i0 < RG_TILE * RG_SPAN ? n_in - i0 : RG_TILE * RG_SPAN;
-                    row_span_f32(w, row, i0, ns, to_float, tmp);
+                    rg_row_span_f32(w, row, i0, ns, to_float, tmp);
                     to_half(tmp, out + i0, ns);
                 }
             }
@@ -60,7 +59,7 @@ static void dequant_half(struct ggml_tensor * dst, int ith, int nth, void * user
             const int64_t ns = n_in - i0 < RG_SPAN ? n_in - i0 : RG_SPAN;
             for (int64_t r = 0; r < nr; r++) {
                 const void * row = (const char *) w->data + (r0 + r) * w->nb[1];
-                row_span_f32(w, row, i0, ns, to_float, tmp + r * RG_SPAN);
+                rg_row_span_f32(w, row, i0, ns, to_float, tmp + r * RG_SPAN);
                 to_half(tmp + r * RG_SPAN, half + r * RG_SPAN, ns);
             }
             for (int64_t i = 0; i < ns; i++) {

@@ -59,15 +59,10 @@ double rg_gemm_flops(const struct ggml_tensor * t) {
     return 2.0 * ((double) (2 * kp) + r) * (double) ggml_nelements(t);
 }
 
-/* values [i0, i0 + n) of row r of a weight as BF16 (i0, n multiples of the block size, or the row's end) */
+/* values [i0, i0 + n) of row r of a weight as BF16, through convert.c's row reader */
 static void row_span_bf16(const struct ggml_tensor * w, int64_t r, int64_t i0, int64_t n, float * tmp, uint16_t * out) {
-    const char * row = (const char *) w->data + r * w->nb[1];
-    if (w->type == GGML_TYPE_F32) {
-        memcpy(tmp, (const float *) row + i0, sizeof(float) * (size_t) n);
-    } else {
-        const size_t off = (size_t) (i0 / ggml_blck_size(w->type)) * ggml_type_size(w->type);
-        ggml_get_type_traits(w->type)->to_float(row + off, tmp, n);
-    }
+    const ggml_to_float_t to_float = w->type == GGML_TYPE_F32 ? NULL : ggml_get_type_traits(w->type)->to_float;
+    rg_row_span_f32(w, (const char *) w->data + r * w->nb[1], i0, n, to_float, tmp);
     ggml_cpu_fp32_to_bf16(tmp, (ggml_bf16_t *) out, n);
 }
 

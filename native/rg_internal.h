@@ -178,6 +178,10 @@ struct ggml_tensor * rg_base_weight_of(const rg_model * m, struct ggml_tensor * 
 struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * gf, size_t size);
 
 struct ggml_tensor * rg_dequant(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed, enum ggml_type type);
+/* values [i0, i0 + n) of a weight row (F32 or a ggml type with to_float) as F32; i0 and n multiples
+ * of the type's block size, or n reaching the row's end (convert.c, also gemm.c's packing) */
+void rg_row_span_f32(const struct ggml_tensor * w, const void * row, int64_t i0, int64_t n,
+                     ggml_to_float_t to_float, float * out);
 /* the weight cache (wcache.c): w's cached copy of that type (NULL: none); a cached copy's base
  * weight (NULL: c is not one); freeing */
 struct ggml_tensor * rg_model_cached(const rg_model * m, const struct ggml_tensor * w, bool transposed, enum ggml_type type);

@@ -15,6 +15,26 @@ def randomize_adapter(tr, seed, scale: float = 0.3) -> None:
         tr.lora.write(t.index, rng.standard_normal(t.shape).astype(np.float32) * scale)
 
 
+def adapted(model, variant: str, recompute: bool, threads: int):
+    """A rank-4 adapter (LoRA or DoRA, magnitudes reset to the adapted rows' norms) with non-zero
+    A and B, optionally with activation checkpointing: the setup of the engine-route comparisons."""
+    from retrograd.engine import LoraSpec, Trainable
+
+    tr = Trainable(model, LoraSpec(4, 8.0, variant=variant), threads=threads)
+    tr.engine.set_recompute(recompute)
+    randomize_adapter(tr, 1, 0.1)
+    if variant == "dora":
+        tr.lora.reset_magnitude()
+    return tr
+
+
+def token_batch(seed: int, n: int = 40, vocab: int = 256):
+    """n random next-token targets and a random coefficient for each"""
+    rng = np.random.default_rng(seed)
+    b = native.Batch.next_token(rng.integers(0, vocab, n).astype(np.int32))
+    return b, rng.standard_normal(b.n_targets).astype(np.float32)
+
+
 def richardson(tr, t, value, i: int, h: float = 1e-2) -> float:
     """d value() / d entry i of adapter tensor t: central differences at steps h and h/2,
     Richardson-extrapolated; the tensor is restored afterwards."""

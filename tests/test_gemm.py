@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import THREADS
-from gradcheck import randomize_adapter
+from gradcheck import adapted, token_batch
 
 from retrograd import native
-from retrograd.engine import LoraSpec, Trainable
+from retrograd.engine import Trainable
 
 pytestmark = pytest.mark.skipif(not native.gemm_available(), reason="the packed product needs AVX512-BF16")
 
@@ -92,14 +92,8 @@ def test_engine_rounds_like_ggmls_bf16_product(tiny, monkeypatch, variant, recom
     fraction of their distance from F32. So the check is that the packed route is as close to F32 as
     ggml's (scoring and training log-probs, LoRA gradients), and that it really ran (something differs);
     the product itself is checked exactly above. DoRA and activation checkpointing take it too."""
-    tr = Trainable(tiny("llama", qtype="Q4_1"), LoraSpec(4, 8.0, variant=variant), threads=THREADS)
-    tr.engine.set_recompute(recompute)
-    randomize_adapter(tr, 1, 0.1)
-    if variant == "dora":
-        tr.lora.reset_magnitude()
-    rng = np.random.default_rng(3)
-    b = native.Batch.next_token(rng.integers(0, 256, 40).astype(np.int32))
-    coeff = rng.standard_normal(b.n_targets).astype(np.float32)
+    tr = adapted(tiny("llama", qtype="Q4_1"), variant, recompute, THREADS)
+    b, coeff = token_batch(3)
     tr.engine.set_matmul_mode("f32")
     exact = _run(tr, b, coeff)
     tr.engine.set_matmul_mode("bf16")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import THREADS
-from gradcheck import randomize_adapter
+from gradcheck import adapted, randomize_adapter, token_batch
 
 from retrograd import native
 from retrograd.engine import LoraSpec, Trainable
@@ -28,15 +28,9 @@ def test_cached_weights_give_bit_equal_logprobs_and_gradients(tiny, qtype, varia
     """Q4_1 runs its forward through 16-bit copies and its backward through transposed ones; Q8_0
     keeps llama.cpp's kernel forward, so only the transposed copies exist. Either way, in F16 and in
     BF16, and with DoRA and activation checkpointing, the cache changes no bit."""
-    tr = Trainable(tiny("llama", qtype=qtype), LoraSpec(4, 8.0, variant=variant), threads=THREADS)
-    tr.engine.set_recompute(recompute)
+    tr = adapted(tiny("llama", qtype=qtype), variant, recompute, THREADS)
     tr.engine.set_matmul_mode(mode)
-    randomize_adapter(tr, 1, 0.1)
-    if variant == "dora":
-        tr.lora.reset_magnitude()
-    rng = np.random.default_rng(2)
-    b = native.Batch.next_token(rng.integers(0, 256, 40).astype(np.int32))
-    coeff = rng.standard_normal(b.n_targets).astype(np.float32)
+    b, coeff = token_batch(2)
     logp0, g0 = _logp_and_grads(tr, b, coeff)
     assert tr.model.set_weight_cache(64, mode) > 0
     logp1, g1 = _logp_and_grads(tr, b, coeff)
