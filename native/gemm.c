@@ -17,6 +17,9 @@
  * an odd k are zeros written by the packing ops, so every tile runs the same loop and the edges
  * are cut only when stored. Each output sums its k products in order, in F32 (ggml splits the sum
  * over 16 lanes): results differ from ggml's in the last bits only.
+ * On CPUs with AMX the same packed weights go through tiles instead (gemm_amx.c), with the
+ * activations packed row-major for them; k is padded to 32 in every packing so both kernels read
+ * one weight layout (and one weight cache).
  */
 #include "rg_internal.h"
 
@@ -30,18 +33,32 @@
 #define SPAN  256   /* values of a row converted at a time: a multiple of every ggml block size */
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+/* k pairs of a packed operand: padded to 16, one AMX tile's depth, so both kernels share the weights */
+static int64_t kpairs(int64_t k) { return 16 * cdiv(cdiv(k, 2), 16); }
 
-int rg_gemm_available(void) {
+enum { KERNEL_NONE, KERNEL_AVX512, KERNEL_AMX };
+
+/* read at every graph build, so a test can compare the routes in one process: RETRO_PACKED_GEMM=0
+ * keeps ggml's product, =avx512 keeps AVX512-BF16 on a CPU with AMX. ggml says what it was
+ * compiled for, the CPU what it runs: both must have the instruction. */
+static int kernel(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    /* read at every graph build, so a test can compare both routes in one process. ggml says what it
-     * was compiled for, the CPU what it runs: both must have the instruction */
     const char * env = getenv("RETRO_PACKED_GEMM");
-    if (env && strcmp(env, "0") == 0) return 0;
+    if (env && strcmp(env, "0") == 0) return KERNEL_NONE;
     __builtin_cpu_init();
-    return ggml_cpu_has_avx512_bf16() && __builtin_cpu_supports("avx512bf16");
+    if (!ggml_cpu_has_avx512_bf16() || !__builtin_cpu_supports("avx512bf16")) return KERNEL_NONE;
+    if (env && strcmp(env, "avx512") == 0) return KERNEL_AVX512;
+    return rg_amx_ready() ? KERNEL_AMX : KERNEL_AVX512;
 #else
-    return 0;
+    return KERNEL_NONE;
 #endif
+}
+
+int rg_gemm_available(void) { return kernel() != KERNEL_NONE; }
+
+const char * rg_gemm_kernel(void) {
+    static const char * names[] = { "none", "avx512-bf16", "amx-bf16" };
+    return names[kernel()];
 }
 
 bool rg_gemm_for_mode(int matmul_mode) {
@@ -54,28 +71,115 @@ double rg_gemm_flops(const struct ggml_tensor * t) {
     const struct ggml_tensor * a = t->src[0], * b = t->src[1], * v = t->src[2], * z = t->src[3];
     if (a->type != GGML_TYPE_BF16 || b->type != GGML_TYPE_BF16 || a->ne[0] % (2 * MR) != 0) return 0.0;
     const int64_t kp = a->ne[0] / (2 * MR);
-    if (b->ne[0] != 2 * NR * kp || a->ne[1] != cdiv(t->ne[0], MR) || b->ne[1] != cdiv(t->ne[1], NR)) return 0.0;
+    const bool avx = b->ne[0] == 2 * NR * kp && b->ne[1] == cdiv(t->ne[1], NR);
+    const bool amx = b->ne[0] == 2 * kp && b->ne[1] == 32 * cdiv(t->ne[1], 32);
+    if ((!avx && !amx) || a->ne[1] != cdiv(t->ne[0], MR)) return 0.0;
     const double r = v && z ? (double) v->ne[1] : 0.0;
     return 2.0 * ((double) (2 * kp) + r) * (double) ggml_nelements(t);
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define RG_PACK_SIMD 1
+static bool pack_simd(void) {
+    static int have = -1;    /* benign race: every thread computes the same answer */
+    if (have < 0) {
+        __builtin_cpu_init();
+        have = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512bf16");
+    }
+    return have == 1;
+}
+
+/* Q4_1 and Q8_0 blocks straight to BF16, 32 values a block. ggml's own to_float for them is scalar
+ * and was a tenth of an SFT step; each value here is computed as ggml computes it (q d + m as a
+ * product then a sum, not fused), then rounded as ggml_cpu_fp32_to_bf16 rounds, so the packed
+ * weight is bit for bit the one the general path writes. */
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static void q4_1_to_bf16(const uint8_t * blk, int64_t nb, uint16_t * out) {
+    for (int64_t b = 0; b < nb; b++, blk += 20, out += 32) {      /* fp16 d, fp16 m, 16 bytes of nibbles */
+        uint16_t hd, hm;
+        memcpy(&hd, blk, 2);
+        memcpy(&hm, blk + 2, 2);
+        const __m512 d = _mm512_set1_ps(ggml_fp16_to_fp32(hd)), m = _mm512_set1_ps(ggml_fp16_to_fp32(hm));
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (blk + 4)));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xf)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+        const __m512 ylo = _mm512_add_ps(_mm512_mul_ps(lo, d), m), yhi = _mm512_add_ps(_mm512_mul_ps(hi, d), m);
+        _mm512_storeu_si512(out, (__m512i) _mm512_cvtne2ps_pbh(yhi, ylo));
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static void q8_0_to_bf16(const uint8_t * blk, int64_t nb, uint16_t * out) {
+    for (int64_t b = 0; b < nb; b++, blk += 34, out += 32) {      /* fp16 d, 32 signed bytes */
+        uint16_t hd;
+        memcpy(&hd, blk, 2);
+        const __m512 d = _mm512_set1_ps(ggml_fp16_to_fp32(hd));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (blk + 2))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (blk + 18))));
+        _mm512_storeu_si512(out, (__m512i) _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, d), _mm512_mul_ps(lo, d)));
+    }
+}
+#endif
+
 /* values [i0, i0 + n) of row r of a weight as BF16, through convert.c's row reader */
 static void row_span_bf16(const struct ggml_tensor * w, int64_t r, int64_t i0, int64_t n, float * tmp, uint16_t * out) {
+#ifdef RG_PACK_SIMD
+    if ((w->type == GGML_TYPE_Q4_1 || w->type == GGML_TYPE_Q8_0) && i0 % 32 == 0 && n % 32 == 0 && pack_simd()) {
+        const uint8_t * blk = (const uint8_t *) w->data + r * w->nb[1] + (size_t) (i0 / 32) * ggml_type_size(w->type);
+        if (w->type == GGML_TYPE_Q4_1) q4_1_to_bf16(blk, n / 32, out);
+        else q8_0_to_bf16(blk, n / 32, out);
+        return;
+    }
+#endif
     const ggml_to_float_t to_float = w->type == GGML_TYPE_F32 ? NULL : ggml_get_type_traits(w->type)->to_float;
     rg_row_span_f32(w, (const char *) w->data + r * w->nb[1], i0, n, to_float, tmp);
     ggml_cpu_fp32_to_bf16(tmp, (ggml_bf16_t *) out, n);
 }
 
 /* ---- packing a weight ----------------------------------------------------------------------- */
+/* The interleaving below in AVX-512 where the CPU has it (every CPU that runs the products does):
+ * scalar, it was half of the packing's time, the other half being the weight's own dequantization. */
+#ifdef RG_PACK_SIMD
+
+/* o[2 r + j] = half[r][2 p + j] for the 32 rows of a block and pairs p in [p0, p1): pair p of the
+ * 32 rows, one 32-bit word each, is a gather of 16 words twice */
+__attribute__((target("avx512f,avx512bw")))
+static void interleave_rows(uint16_t (*half)[SPAN], int64_t p0, int64_t p1, int64_t i0, uint16_t * ob) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(SPAN / 2));
+    for (int64_t p = p0; p < p1; p++) {
+        const int32_t * base = (const int32_t *) half[0] + (p - i0 / 2);
+        _mm512_storeu_si512(ob + p * 2 * MR, _mm512_i32gather_epi32(idx, base, 4));
+        _mm512_storeu_si512(ob + p * 2 * MR + MR, _mm512_i32gather_epi32(idx, base + 16 * (SPAN / 2), 4));
+    }
+}
+
+/* 32 consecutive rows (one block's, from its first) of two k values: pairs (h0[i], h1[i]) */
+__attribute__((target("avx512f,avx512bw")))
+static void interleave_pair(const uint16_t * h0, const uint16_t * h1, uint16_t * o) {
+    const __m512i lo = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004, 0x250005, 0x260006, 0x270007,
+                                         0x280008, 0x290009, 0x2a000a, 0x2b000b, 0x2c000c, 0x2d000d, 0x2e000e, 0x2f000f);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    const __m512i a = _mm512_loadu_si512(h0), b = _mm512_loadu_si512(h1);
+    _mm512_storeu_si512(o, _mm512_permutex2var_epi16(a, lo, b));
+    _mm512_storeu_si512(o + 32, _mm512_permutex2var_epi16(a, hi, b));
+}
+#endif
+
 /* userdata NULL: the weight as stored (rows = its n_out, k = n_in); else transposed (rows = n_in,
  * k = n_out). dst: BF16 [2 MR kp, row blocks]. */
 static void pack_weight(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     const struct ggml_tensor * w = dst->src[0];
     const bool tr = userdata != NULL;
     const int64_t n_in = w->ne[0], n_out = w->ne[1];
-    const int64_t rows = tr ? n_in : n_out, k = tr ? n_out : n_in, kp = cdiv(k, 2), nblk = cdiv(rows, MR);
+    const int64_t rows = tr ? n_in : n_out, k = tr ? n_out : n_in, kr = cdiv(k, 2), kp = kpairs(k), nblk = cdiv(rows, MR);
     uint16_t * out = dst->data;
     float tmp[SPAN];
+    for (int64_t b = ith; b < nblk; b += nth) {    /* the pairs past k: zeros, like the padding rows */
+        memset(out + (b * kp + kr) * 2 * MR, 0, sizeof(uint16_t) * 2 * MR * (size_t) (kp - kr));
+    }
     if (!tr) {
         /* a block of 32 weight rows at a time, SPAN values of each */
         uint16_t half[MR][SPAN];
@@ -89,6 +193,12 @@ static void pack_weight(struct ggml_tensor * dst, int ith, int nth, void * userd
                     else memset(half[r], 0, sizeof(half[r]));
                     if (ns % 2) half[r][ns] = 0;    /* the odd k's partner */
                 }
+#ifdef RG_PACK_SIMD
+                if (pack_simd()) {
+                    interleave_rows(half, i0 / 2, (i0 + ns + 1) / 2, i0, ob);
+                    continue;
+                }
+#endif
                 for (int64_t p = i0 / 2; p < (i0 + ns + 1) / 2; p++) {
                     uint16_t * o = ob + p * 2 * MR;
                     const int64_t i = 2 * p - i0;
@@ -103,14 +213,21 @@ static void pack_weight(struct ggml_tensor * dst, int ith, int nth, void * userd
     }
     /* transposed: the pair of weight rows 2p, 2p + 1 gives k pair p of every block */
     uint16_t h0[SPAN], h1[SPAN];
-    for (int64_t p = kp * ith / nth; p < kp * (ith + 1) / nth; p++) {
+    for (int64_t p = kr * ith / nth; p < kr * (ith + 1) / nth; p++) {
         const bool second = 2 * p + 1 < n_out;
         for (int64_t i0 = 0; i0 < n_in; i0 += SPAN) {
             const int64_t ns = n_in - i0 < SPAN ? n_in - i0 : SPAN;
             row_span_bf16(w, 2 * p, i0, ns, tmp, h0);
             if (second) row_span_bf16(w, 2 * p + 1, i0, ns, tmp, h1);
             else memset(h1, 0, sizeof(h1));
-            for (int64_t i = 0; i < ns; i++) {
+            int64_t i = 0;
+#ifdef RG_PACK_SIMD
+            /* i0 is a multiple of SPAN, so 32 values from i on are one block's rows 0-31 */
+            if (pack_simd()) {
+                for (; i + MR <= ns; i += MR) interleave_pair(h0 + i, h1 + i, out + (((i0 + i) / MR) * kp + p) * 2 * MR);
+            }
+#endif
+            for (; i < ns; i++) {
                 const int64_t row = i0 + i;
                 uint16_t * o = out + ((row / MR) * kp + p) * 2 * MR + 2 * (row % MR);
                 o[0] = h0[i];
@@ -126,7 +243,7 @@ static void pack_weight(struct ggml_tensor * dst, int ith, int nth, void * userd
 
 void rg_packed_weight_shape(const struct ggml_tensor * w, bool transposed, int64_t ne[2]) {
     const int64_t rows = transposed ? w->ne[0] : w->ne[1], k = transposed ? w->ne[1] : w->ne[0];
-    ne[0] = 2 * MR * cdiv(k, 2);
+    ne[0] = 2 * MR * kpairs(k);
     ne[1] = cdiv(rows, MR);
 }
 
@@ -151,7 +268,7 @@ __attribute__((target("avx512f,avx512bf16")))
 static void pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) userdata;
     const struct ggml_tensor * x = dst->src[0];
-    const int64_t k = x->ne[0], T = x->ne[1], kp = cdiv(k, 2), ntb = dst->ne[1];
+    const int64_t k = x->ne[0], T = x->ne[1], kp = kpairs(k), ntb = dst->ne[1];
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32(NR));
     uint32_t * out = dst->data;
@@ -161,7 +278,7 @@ static void pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata
             const int64_t t = tb * NR + j;
             const float * col = t < T ? (const float *) ((const char *) x->data + t * x->nb[1]) : NULL;
             for (int64_t p0 = 0; p0 < kp; p0 += 16) {
-                const int64_t left = k - 2 * p0;     /* values from here to the end of the column */
+                const int64_t left = k > 2 * p0 ? k - 2 * p0 : 0;    /* values from here to the column's end */
                 const __mmask16 mlo = left >= 16 ? 0xffff : (__mmask16) ((1u << left) - 1);
                 const __mmask16 mhi = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16) ((1u << (left - 16)) - 1);
                 __m512i v = _mm512_setzero_si512();
@@ -176,14 +293,6 @@ static void pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata
         }
     }
 }
-
-/* an optional low-rank term added to a tile: V [rows, r] (column q at V + q ldv) times Z [r, T]
- * (token t's values at Z + t ldz), both F32, pointed at the tile's first row and token */
-typedef struct {
-    const float * V, * Z;
-    int64_t       ldv, ldz;
-    int           r;
-} rg_lowrank;
 
 /* C[t * ldc + r] = sum over k of A(r, k) B(k, t) for the nr rows and nt tokens of one tile; A and
  * B point at the tile's packed blocks (kp pairs each) */
@@ -270,18 +379,28 @@ bool rg_pack_act_fits(const struct ggml_tensor * x) {
            x->nb[1] % sizeof(float) == 0;
 }
 
+/* the kernel is chosen here, by the activations' layout, and the product follows it */
 struct ggml_tensor * rg_pack_act(struct ggml_context * ctx, struct ggml_tensor * x) {
     struct ggml_tensor * args[1] = { x };
-    struct ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_BF16, 2 * NR * cdiv(x->ne[0], 2), cdiv(x->ne[1], NR), 1, 1,
-                                            args, 1, pack_act, GGML_N_TASKS_MAX, NULL);
+    const int64_t kp = kpairs(x->ne[0]);
+    struct ggml_tensor * t = kernel() == KERNEL_AMX
+        ? ggml_custom_4d(ctx, GGML_TYPE_BF16, 2 * kp, 32 * cdiv(x->ne[1], 32), 1, 1, args, 1, rg_amx_pack_act,
+                         GGML_N_TASKS_MAX, NULL)
+        : ggml_custom_4d(ctx, GGML_TYPE_BF16, 2 * NR * kp, cdiv(x->ne[1], NR), 1, 1, args, 1, pack_act,
+                         GGML_N_TASKS_MAX, NULL);
     ggml_format_name(t, "%s (bf16, packed)", x->name);
     return t;
+}
+
+static ggml_custom_op_t product_of(const struct ggml_tensor * packed_w, const struct ggml_tensor * packed_x) {
+    return packed_x->ne[0] == packed_w->ne[0] / MR ? rg_amx_gemm : gemm;
 }
 
 struct ggml_tensor * rg_gemm(struct ggml_context * ctx, struct ggml_tensor * packed_w, struct ggml_tensor * packed_x,
                              int64_t rows, int64_t n_tokens) {
     struct ggml_tensor * args[2] = { packed_w, packed_x };
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, rows, n_tokens, 1, 1, args, 2, gemm, GGML_N_TASKS_MAX, NULL);
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, rows, n_tokens, 1, 1, args, 2, product_of(packed_w, packed_x),
+                          GGML_N_TASKS_MAX, NULL);
 }
 
 bool rg_gemm_lowrank_fits(const struct ggml_tensor * v, const struct ggml_tensor * z, int64_t rows, int64_t n_tokens) {
@@ -293,7 +412,8 @@ bool rg_gemm_lowrank_fits(const struct ggml_tensor * v, const struct ggml_tensor
 struct ggml_tensor * rg_gemm_lowrank(struct ggml_context * ctx, struct ggml_tensor * packed_w, struct ggml_tensor * packed_x,
                                      struct ggml_tensor * v, struct ggml_tensor * z) {
     struct ggml_tensor * args[4] = { packed_w, packed_x, v, z };
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, v->ne[0], z->ne[1], 1, 1, args, 4, gemm, GGML_N_TASKS_MAX, NULL);
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, v->ne[0], z->ne[1], 1, 1, args, 4, product_of(packed_w, packed_x),
+                          GGML_N_TASKS_MAX, NULL);
 }
 
 /* ---- a check against an oracle ---------------------------------------------------------------- */
@@ -311,7 +431,7 @@ rg_status rg_gemm_check(int type, const float * w, int64_t n_out, int64_t n_in, 
     }
     const int64_t k = transposed ? n_out : n_in, rows = transposed ? n_in : n_out;
     const size_t bytes = ggml_row_size(t, n_in) * (size_t) n_out + sizeof(float) * (size_t) (k * n_tokens + rows * n_tokens) +
-                         2 * (size_t) (2 * MR * cdiv(k, 2) * cdiv(rows, MR) + 2 * NR * cdiv(k, 2) * cdiv(n_tokens, NR)) +
+                         2 * (size_t) (2 * MR * kpairs(k) * cdiv(rows, MR) + 2 * 32 * kpairs(k) * cdiv(n_tokens, NR)) +
                          sizeof(float) * (size_t) (rank * (rows + n_tokens)) + ggml_tensor_overhead() * 8 +
                          ggml_graph_overhead() + (1u << 20);
     struct ggml_init_params ip = { bytes, NULL, false };

@@ -47,6 +47,12 @@ struct rg_head {
      * finite-difference tests), otherwise W_out slices converted to conv_type (F16 or BF16) */
     bool                  exact;
     enum ggml_type        conv_type;
+    int                   mode;
+    /* W_out packed for gemm.c as stored, made by the first forward that multiplies through it and
+     * kept, as the base never changes (V x n_embd BF16: 54 MiB on the default model) */
+    struct ggml_context * wpack_ctx;
+    ggml_backend_buffer_t wpack_buf;
+    struct ggml_tensor  * wpack;
     double                ms;
 };
 
@@ -76,9 +82,55 @@ static void free_store(rg_head * h) {
     h->store_valid = false;
 }
 
+static void free_wpack(rg_head * h) {
+    if (h->wpack_buf) ggml_backend_buffer_free(h->wpack_buf);
+    if (h->wpack_ctx) ggml_free(h->wpack_ctx);
+    h->wpack_buf = NULL;
+    h->wpack_ctx = NULL;
+    h->wpack = NULL;
+}
+
+/* whether the head's products go through gemm.c: a quantized W_out (an F32 or F16 one keeps ggml's
+ * product, which rounds nothing or less) on the CPU, in a BF16 mode, on a CPU that runs it (asked at
+ * each use, like the training graph, so RETRO_PACKED_GEMM=0 compares both in one process) */
+static bool packed_route(const rg_head * h) {
+    return !h->exact && ggml_is_quantized(h->model->output->type) && h->model->backend == h->model->backend_cpu &&
+           rg_gemm_for_mode(h->mode);
+}
+
+/* the packing op's own output is the kept tensor: no transient copy of W_out */
+static rg_status ensure_wpack(rg_head * h) {
+    if (h->wpack) return RG_OK;
+    const size_t meta = ggml_tensor_overhead() * 4 + ggml_graph_overhead_custom(4, false);
+    struct ggml_init_params ip = { meta, NULL, true };
+    h->wpack_ctx = ggml_init(ip);
+    struct ggml_context * gctx = ggml_init(ip);
+    rg_status st = RG_OK;
+    if (!h->wpack_ctx || !gctx) {
+        st = rg_fail(RG_ERR_NOMEM, "out of host memory for the LM head's packed W_out");
+    } else {
+        h->wpack = rg_pack_weight(h->wpack_ctx, h->model->output, false);
+        h->wpack_buf = ggml_backend_alloc_ctx_tensors_from_buft(h->wpack_ctx, ggml_backend_cpu_buffer_type());
+        if (!h->wpack_buf) {
+            st = rg_fail(RG_ERR_NOMEM, "could not allocate the LM head's packed W_out (%.0f MiB)",
+                         (double) ggml_nbytes(h->wpack) / (1 << 20));
+        } else {
+            struct ggml_cgraph * gf = ggml_new_graph_custom(gctx, 4, false);
+            ggml_build_forward_expand(gf, h->wpack);
+            if (ggml_backend_graph_compute(h->model->backend_cpu, gf) != GGML_STATUS_SUCCESS) {
+                st = rg_fail(RG_ERR_COMPUTE, "could not pack the LM head's W_out");
+            }
+        }
+    }
+    if (gctx) ggml_free(gctx);
+    if (st) free_wpack(h);
+    return st;
+}
+
 void rg_head_free(rg_head * h) {
     if (!h) return;
     free_store(h);
+    free_wpack(h);
     ggml_gallocr_free(h->galloc);
     if (h->backend != h->model->backend) ggml_backend_free(h->backend);
     free(h->rows);
@@ -89,6 +141,7 @@ void rg_head_free(rg_head * h) {
 void rg_head_set_matmul_mode(rg_head * h, int mode) {
     h->exact = mode == RG_MATMUL_F32;
     h->conv_type = rg_conv_type(mode);
+    h->mode = mode;
 }
 
 double rg_head_ms(rg_head * h, bool reset) {
@@ -192,7 +245,9 @@ static struct ggml_tensor * chunk_logits(rg_head * h, struct ggml_context * ctx,
     struct ggml_tensor * w = h->model->output;
     /* exact mode: no rounding of activations anywhere, so the head is smooth too */
     if (h->exact && w->type != GGML_TYPE_F32) w = ggml_cast(ctx, w, GGML_TYPE_F32);
-    struct ggml_tensor * logits = ggml_mul_mat(ctx, w, hs);
+    struct ggml_tensor * logits = h->wpack && packed_route(h) && rg_pack_act_fits(hs)
+        ? rg_gemm(ctx, h->wpack, rg_pack_act(ctx, hs), w->ne[1], n)
+        : ggml_mul_mat(ctx, w, hs);
     ggml_set_name(logits, "head_logits");
     return logits;
 }
@@ -210,6 +265,10 @@ static rg_status chunk_open(rg_head * h, struct ggml_tensor * hidden, int n, rg_
         ggml_tensor_overhead() * HEAD_MAX_NODES + ggml_graph_overhead_custom(HEAD_MAX_NODES, false), NULL, true,
     };
     memset(c, 0, sizeof(*c));
+    if (hidden && packed_route(h)) {
+        rg_status st = ensure_wpack(h);
+        if (st) return st;
+    }
     c->ctx = ggml_init(ip);
     if (!c->ctx) return rg_fail(RG_ERR_NOMEM, "out of host memory for an LM head graph");
     c->gf = ggml_new_graph_custom(c->ctx, HEAD_MAX_NODES, false);
@@ -316,18 +375,25 @@ rg_status rg_head_forward(rg_head * h, struct ggml_tensor * hidden, const rg_bat
     return st;
 }
 
-/* W_out^T d for d = [V, n]: one dequantized, transposed vocabulary slice at a time */
+/* W_out^T d for d = [V, n]: one dequantized, transposed vocabulary slice at a time (through gemm.c
+ * where it runs, the slice packed transposed) */
 static struct ggml_tensor * head_transpose_product(rg_head * h, struct ggml_context * ctx, struct ggml_tensor * d, bool f32) {
     struct ggml_tensor * w = h->model->output;
     const int64_t V = w->ne[1];
+    const bool packed = !f32 && packed_route(h);
     struct ggml_tensor * acc = NULL;
     for (int64_t v0 = 0; v0 < V; v0 += HEAD_VOCAB_SLICE) {
         const int64_t nv = V - v0 < HEAD_VOCAB_SLICE ? V - v0 : HEAD_VOCAB_SLICE;
         struct ggml_tensor * ws = ggml_view_2d(ctx, w, w->ne[0], nv, w->nb[1], (size_t) v0 * w->nb[1]);
-        struct ggml_tensor * wt = f32 ? ggml_cont(ctx, ggml_transpose(ctx, ggml_cast(ctx, ws, GGML_TYPE_F32)))
-                                      : rg_dequant(ctx, ws, true, h->conv_type);   /* [nv, n_embd] */
         struct ggml_tensor * ds = ggml_view_2d(ctx, d, nv, d->ne[1], d->nb[1], (size_t) v0 * sizeof(float));
-        struct ggml_tensor * part = ggml_mul_mat(ctx, wt, ds);  /* [n_embd, n] */
+        struct ggml_tensor * part;   /* [n_embd, n] */
+        if (packed && rg_pack_act_fits(ds)) {
+            part = rg_gemm(ctx, rg_pack_weight(ctx, ws, true), rg_pack_act(ctx, ds), w->ne[0], d->ne[1]);
+        } else {
+            struct ggml_tensor * wt = f32 ? ggml_cont(ctx, ggml_transpose(ctx, ggml_cast(ctx, ws, GGML_TYPE_F32)))
+                                          : rg_dequant(ctx, ws, true, h->conv_type);   /* [nv, n_embd] */
+            part = ggml_mul_mat(ctx, wt, ds);
+        }
         acc = acc ? ggml_add(ctx, acc, part) : part;
     }
     return acc;

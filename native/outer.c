@@ -9,18 +9,24 @@
  *  - products whose inner dimension is the LoRA rank (B (A x) forward, A d(ax) backward): a
  *    16-long dot product per output, which ggml's matmul runs at a fifth of its speed.
  *    `rg_rank_expand` writes each output column as a sum of rank columns instead.
- * Both come down to one kernel: a 4 x 16 tile of the result held in registers while the
- * contraction runs, each step loading 16 values of one operand (the "vector" side) and 4 scalars
- * of the other (the "broadcast" side) for 8 multiply-adds. Tiles are dealt to the threads round
- * robin; sums run over the contraction in order, so results do not depend on the thread count.
+ * Both come down to one kernel: an 8 x 32 tile of the result held in registers while the
+ * contraction runs, each step loading 32 values of one operand (the "vector" side) and 8 scalars
+ * of the other (the "broadcast" side) for 16 AVX-512 multiply-adds (half the loads per FMA of a
+ * 4 x 16 tile in AVX2 registers, which ran at about half the FMA units' rate). CPUs without AVX-512
+ * run the tile as four 4 x 16 quarters. Tiles are dealt to the threads round robin; every output
+ * is one FMA chain over the contraction in order, so results depend neither on the thread count
+ * nor on the kernel.
  * The profile that led here is in docs/benchmarks.md.
  */
 #include "rg_internal.h"
 
 #include <string.h>
 
-#define VW 16   /* vector side of a tile */
-#define BW 4    /* broadcast side of a tile */
+#define VW 32   /* vector side of a tile */
+#define BW 8    /* broadcast side of a tile */
+#define QV 16   /* vector side of a quarter tile (the AVX2 and portable kernels) */
+#define QB 4    /* broadcast side of a quarter tile */
+#define RG_PF 32 /* steps the vector side is prefetched ahead */
 
 /* One tile's operands: step s of the contraction reads V[s * ldv + 0..15] and
  * B[s * ldb + i * sb] for i = 0..3. */
@@ -43,16 +49,16 @@ static inline rg_v4 load4(const float * p) {
     return v;
 }
 
-static void tile_portable(const rg_tile * t, float acc[BW][VW]) {
-    rg_v4 a[BW][VW / 4];
+static void tile_portable(const rg_tile * t, float acc[QB][QV]) {
+    rg_v4 a[QB][QV / 4];
     memset(a, 0, sizeof(a));
     for (int64_t s = 0; s < t->steps; s++) {
         const float * v = t->V + (size_t) s * t->ldv;
         const float * b = t->B + (size_t) s * t->ldb;
-        rg_v4 x[VW / 4];
-        for (int j = 0; j < VW / 4; j++) x[j] = load4(v + 4 * j);
-        for (int i = 0; i < BW; i++) {
-            for (int j = 0; j < VW / 4; j++) a[i][j] += b[i * t->sb] * x[j];
+        rg_v4 x[QV / 4];
+        for (int j = 0; j < QV / 4; j++) x[j] = load4(v + 4 * j);
+        for (int i = 0; i < QB; i++) {
+            for (int j = 0; j < QV / 4; j++) a[i][j] += b[i * t->sb] * x[j];
         }
     }
     memcpy(acc, a, sizeof(a));
@@ -63,7 +69,7 @@ static void tile_portable(const rg_tile * t, float acc[BW][VW]) {
 #define RG_HAVE_AVX2_PATH 1
 
 __attribute__((target("avx2,fma")))
-static void tile_avx2(const rg_tile * t, float acc[BW][VW]) {
+static void tile_avx2(const rg_tile * t, float acc[QB][QV]) {
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     const size_t sb = t->sb;
     for (int64_t s = 0; s < t->steps; s++) {
@@ -92,12 +98,44 @@ static void tile_avx2(const rg_tile * t, float acc[BW][VW]) {
     _mm256_storeu_ps(acc[3], a30);
     _mm256_storeu_ps(acc[3] + 8, a31);
 }
+
+/* a whole tile: 32 vector values (masked past nv) by 8 broadcast rows (rows past nb read row 0
+ * again and are dropped by the caller), each output one FMA chain over the steps */
+__attribute__((target("avx512f")))
+static void tile_avx512(const rg_tile * t, int nv, int nb, float acc[BW][VW]) {
+    const __mmask16 m0 = nv >= 16 ? 0xffff : (__mmask16) ((1u << nv) - 1);
+    const __mmask16 m1 = nv >= 32 ? 0xffff : nv <= 16 ? 0 : (__mmask16) ((1u << (nv - 16)) - 1);
+    size_t off[BW];
+    for (int i = 0; i < BW; i++) off[i] = (size_t) (i < nb ? i : 0) * t->sb;
+#define RG_Z(i) __m512 a##i##0 = _mm512_setzero_ps(), a##i##1 = _mm512_setzero_ps();
+    RG_Z(0) RG_Z(1) RG_Z(2) RG_Z(3) RG_Z(4) RG_Z(5) RG_Z(6) RG_Z(7)
+    for (int64_t s = 0; s < t->steps; s++) {
+        const float * v = t->V + (size_t) s * t->ldv;
+        const float * b = t->B + (size_t) s * t->ldb;
+        /* the vector side is one short run per step, a column stride apart: past a page the
+         * hardware prefetcher loses it, and the loads waited on L3 for most of the kernel's time */
+        _mm_prefetch((const char *) (v + RG_PF * t->ldv), _MM_HINT_T0);
+        _mm_prefetch((const char *) (v + RG_PF * t->ldv + 16), _MM_HINT_T0);
+        const __m512 v0 = _mm512_maskz_loadu_ps(m0, v), v1 = _mm512_maskz_loadu_ps(m1, v + 16);
+#define RG_F(i) do {                                              \
+            const __m512 x = _mm512_set1_ps(b[off[i]]);            \
+            a##i##0 = _mm512_fmadd_ps(x, v0, a##i##0);            \
+            a##i##1 = _mm512_fmadd_ps(x, v1, a##i##1);            \
+        } while (0)
+        RG_F(0); RG_F(1); RG_F(2); RG_F(3); RG_F(4); RG_F(5); RG_F(6); RG_F(7);
+#undef RG_F
+    }
+#define RG_S(i) _mm512_storeu_ps(acc[i], a##i##0); _mm512_storeu_ps(acc[i] + 16, a##i##1);
+    RG_S(0) RG_S(1) RG_S(2) RG_S(3) RG_S(4) RG_S(5) RG_S(6) RG_S(7)
+#undef RG_S
+#undef RG_Z
+}
 #endif
 
-/* a full tile (nv = VW, nb = BW) through the fastest kernel this CPU has, or a tile cut by the
- * edge of the result through a plain loop */
-static void tile(const rg_tile * t, int nv, int nb, float acc[BW][VW]) {
-    if (nv == VW && nb == BW) {
+/* a quarter tile through the fastest kernel this CPU has, or one cut by the edge of the result
+ * through a plain loop */
+static void quarter(const rg_tile * t, int nv, int nb, float acc[QB][QV]) {
+    if (nv == QV && nb == QB) {
 #ifdef RG_HAVE_AVX2_PATH
         static int have = -1;   /* benign race: every thread computes the same answer */
         if (have < 0) {
@@ -112,12 +150,38 @@ static void tile(const rg_tile * t, int nv, int nb, float acc[BW][VW]) {
         tile_portable(t, acc);
         return;
     }
-    memset(acc, 0, sizeof(float) * BW * VW);
+    memset(acc, 0, sizeof(float) * QB * QV);
     for (int64_t s = 0; s < t->steps; s++) {
         const float * v = t->V + (size_t) s * t->ldv;
         const float * b = t->B + (size_t) s * t->ldb;
         for (int i = 0; i < nb; i++) {
             for (int j = 0; j < nv; j++) acc[i][j] += b[i * t->sb] * v[j];
+        }
+    }
+}
+
+/* the nv x nb corner of a tile into acc */
+static void tile(const rg_tile * t, int nv, int nb, float acc[BW][VW]) {
+#ifdef RG_HAVE_AVX2_PATH
+    static int have512 = -1;
+    if (have512 < 0) {
+        __builtin_cpu_init();
+        have512 = __builtin_cpu_supports("avx512f");
+    }
+    if (have512) {
+        tile_avx512(t, nv, nb, acc);
+        return;
+    }
+#endif
+    float q[QB][QV];
+    for (int bi = 0; bi < nb; bi += QB) {
+        for (int vj = 0; vj < nv; vj += QV) {
+            rg_tile tq = *t;
+            tq.V += vj;
+            tq.B += (size_t) bi * t->sb;
+            const int cb = nb - bi < QB ? nb - bi : QB, cv = nv - vj < QV ? nv - vj : QV;
+            quarter(&tq, cv, cb, q);
+            for (int i = 0; i < cb; i++) memcpy(acc[bi + i] + vj, q[i], sizeof(float) * (size_t) cv);
         }
     }
 }

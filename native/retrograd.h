@@ -288,8 +288,11 @@ rg_status rg_matmul_bench(int type, int64_t m, int64_t n, int64_t k, int n_threa
  * [n_tokens, rank] (F32, not rounded). RG_ERR_ARG on a CPU without AVX512-BF16 (or
  * RETRO_PACKED_GEMM=0). */
 /* 1 where the packed BF16 product runs: a CPU with AVX512-BF16, RETRO_PACKED_GEMM not "0" (the
- * training graph then multiplies the converted base weights through it, gemm.c) */
-int       rg_gemm_available(void);
+ * training graph then multiplies the converted base weights through it, gemm.c); the kernel it runs
+ * now: "amx-bf16" (AMX tiles, where the CPU and Linux allow them, unless RETRO_PACKED_GEMM=avx512),
+ * "avx512-bf16" or "none" */
+int          rg_gemm_available(void);
+const char * rg_gemm_kernel(void);
 rg_status rg_gemm_check(int type, const float * w, int64_t n_out, int64_t n_in, const float * x, int64_t n_tokens,
                         int transposed, const float * v, const float * z, int rank, int n_threads, float * out,
                         float * w_dequant);

@@ -217,6 +217,19 @@ bool                 rg_gemm_lowrank_fits(const struct ggml_tensor * v, const st
                                           int64_t n_tokens);
 struct ggml_tensor * rg_gemm_lowrank(struct ggml_context * ctx, struct ggml_tensor * packed_w, struct ggml_tensor * packed_x,
                                      struct ggml_tensor * v, struct ggml_tensor * z);
+/* an optional low-rank term added to a tile: V [rows, r] (column q at V + q ldv) times Z [r, T]
+ * (token t's values at Z + t ldz), both F32, pointed at the tile's first row and token */
+typedef struct {
+    const float * V, * Z;
+    int64_t       ldv, ldz;
+    int           r;
+} rg_lowrank;
+/* gemm_amx.c: the same product on AMX tiles. rg_amx_ready: the CPU has AMX-BF16 and Linux granted
+ * the tile state (asked once). The activations' packing there is row-major BF16 [2 kp, 32 ceil(T / 32)]
+ * (kp a multiple of 16); both are ggml custom ops for gemm.c's builders. */
+bool rg_amx_ready(void);
+void rg_amx_pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+void rg_amx_gemm(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 /* the FLOPs of a gemm.c product node (its contraction rounded up to even, plus the low-rank term), else 0 */
 double               rg_gemm_flops(const struct ggml_tensor * t);
 /* whether a graph of this matmul mode multiplies converted base weights through gemm.c (BF16 modes on

@@ -449,6 +449,12 @@ def gemm_available() -> bool:
     return bool(lib.rg_gemm_available())
 
 
+def gemm_kernel() -> str:
+    """The packed product's kernel now: "amx-bf16", "avx512-bf16" or "none" (RETRO_PACKED_GEMM=0, or
+    a CPU without AVX512-BF16); RETRO_PACKED_GEMM=avx512 keeps AVX512-BF16 on an AMX CPU."""
+    return ffi.string(lib.rg_gemm_kernel()).decode()
+
+
 @dataclass(frozen=True)
 class ProfileEntry:
     """One cell of a training-graph profile: phase ("forward"/"backward"), ggml op, and what the

@@ -15,11 +15,13 @@ def llama(path, lora_path=None, n_ctx=1024, exact=True):
     import llama_cpp.llama_cpp as lc
     from llama_cpp import Llama
 
+    from retrograd.generation.llama import extra_buffers_safe
+
     orig = lc.llama_model_default_params
 
     def params():
         p = orig()
-        p.use_extra_bufts = not exact
+        p.use_extra_bufts = not exact and extra_buffers_safe()
         return p
 
     lc.llama_model_default_params = params

@@ -15,6 +15,16 @@ from retrograd.engine import Trainable
 pytestmark = pytest.mark.skipif(not native.gemm_available(), reason="the packed product needs AVX512-BF16")
 
 
+@pytest.fixture(params=["avx512-bf16", "amx-bf16"])
+def kernel(request, monkeypatch):
+    """Each of the product's kernels this CPU runs: AVX512-BF16 (forced with RETRO_PACKED_GEMM=avx512
+    on an AMX CPU) and AMX tiles."""
+    monkeypatch.setenv("RETRO_PACKED_GEMM", "avx512" if request.param == "avx512-bf16" else "1")
+    if native.gemm_kernel() != request.param:
+        pytest.skip(f"this CPU does not run the {request.param} kernel")
+    return request.param
+
+
 def bf16(a: np.ndarray) -> np.ndarray:
     """float32 rounded to BF16 (nearest, ties to even), as float32"""
     u = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
@@ -31,7 +41,7 @@ def bf16(a: np.ndarray) -> np.ndarray:
     ("q4_1", 576, 576, 256, False),   # the default model's shapes
     ("q4_1", 192, 576, 256, True),
 ])
-def test_packed_product_matches_the_oracle(qtype, n_out, n_in, tokens, transposed):
+def test_packed_product_matches_the_oracle(kernel, qtype, n_out, n_in, tokens, transposed):
     """Every output is the BF16-rounded weight times the BF16-rounded input, summed in F32: within a
     few F32 roundings of the float64 sum, relative to the sum of the terms' magnitudes."""
     rng = np.random.default_rng(n_out * 1000 + n_in)
@@ -50,7 +60,7 @@ def test_packed_product_matches_the_oracle(qtype, n_out, n_in, tokens, transpose
 
 @pytest.mark.parametrize(("n_out", "tokens", "rank", "transposed"), [(70, 13, 4, False), (64, 256, 16, False),
                                                                      (40, 25, 3, True)])
-def test_low_rank_epilogue_matches_the_oracle(n_out, tokens, rank, transposed):
+def test_low_rank_epilogue_matches_the_oracle(kernel, n_out, tokens, rank, transposed):
     """The product plus a low-rank term V Z (LoRA's B (s A x), added inside the tiles): the term in
     F32, unrounded, on top of the BF16 product; partial row and token blocks included."""
     rng = np.random.default_rng(n_out + rank)
@@ -69,6 +79,22 @@ def test_low_rank_epilogue_matches_the_oracle(n_out, tokens, rank, transposed):
     assert np.max(np.abs(out - ref) / scale) < 1e-6
     plain, _ = native.gemm_check("q4_1", w, x, transposed=transposed, threads=THREADS)
     assert np.max(np.abs(out - plain)) > 0.1      # the term was really added
+
+
+@pytest.mark.parametrize(("qtype", "transposed"), [("q4_1", False), ("q4_1", True), ("q8_0", False),
+                                                  ("q8_0", True), ("q4_k", True), ("f32", False)])
+def test_packed_weight_is_ggmls_values_rounded_to_bf16(kernel, qtype, transposed):
+    """The packing reads Q4_1 and Q8_0 blocks with its own vector code: it must give exactly ggml's
+    dequantized value rounded to BF16 (nearest, ties to even). Multiplying by one-hot tokens makes
+    each output one weight times 1.0 plus zeros, which is exact, so the product shows the packed
+    weight itself; 70 rows leave a partial row block as stored and padding pairs transposed."""
+    rng = np.random.default_rng(7)
+    n_out, n_in = 70, 256
+    w = (rng.standard_normal((n_out, n_in)) * rng.uniform(0.01, 3.0, (n_out, 1))).astype(np.float32)
+    k = n_out if transposed else n_in
+    out, deq = native.gemm_check(qtype, w, np.eye(k, dtype=np.float32), transposed=transposed, threads=THREADS)
+    want = bf16(deq) if transposed else bf16(deq).T
+    np.testing.assert_array_equal(out, want)
 
 
 def _run(tr: Trainable, b: native.Batch, coeff: np.ndarray):

@@ -396,6 +396,7 @@ def test_rslora_scales_by_sqrt_rank_and_exports_the_effective_alpha(tiny, tmp_pa
     assert gguf.GGUFReader(str(tmp_path / "rs.gguf")).fields["adapter.lora.alpha"].contents() == 16.0
     back = Trainable(path, LoraSpec(4, 8.0, scaling="rslora"), threads=THREADS)
     back.load_adapter(tmp_path / "rs.gguf")
+    back.engine.set_exact_ops(True)     # the same kernels as rs: only the adapter's round trip may differ
     assert np.array_equal(back.logprobs(batch).logp, rs.logprobs(batch).logp)
     with pytest.raises(Exception, match="rsLoRA"):
         Trainable(path, LoraSpec(4, 16.0, scaling="rslora"), threads=THREADS).load_adapter(tmp_path / "rs.gguf")

@@ -53,6 +53,25 @@ class Completion:
         return [*self.tokens, self.end_token], [*self.logprobs, self.end_logprob]
 
 
+def extra_buffers_safe() -> bool:
+    """Whether llama.cpp may move weights into its extra CPU buffer types (repacked layouts, AMX).
+    Not on CPUs with AMX: a native build there puts Q4_1, Q4_K and Q8_0 weights in the AMX buffer
+    type, and the pinned version's ggml_backend_amx_mul_mat crashes (SIGSEGV) on batched decodes
+    of several sequences (seen on a Xeon with AMX-INT8 running
+    tests/agent/test_agent_rollouts.py). Its AMX kernels also set the tile configuration once per
+    thread and assume it stays, where the training graph's AMX product (native/gemm_amx.c) runs on
+    the same OpenMP threads. The weights then stay in the plain CPU buffer, which runs the kernels
+    llama.cpp uses on every other x86 CPU."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_int8" not in line.split()
+    except OSError:
+        pass
+    return True
+
+
 class Generator:
     """A llama.cpp model and context for generation, with an adapter slot."""
 
@@ -79,6 +98,7 @@ class Generator:
         """Load `path`'s weights with a fresh context (the tokenizer stays: a merged model has the same)."""
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = self._gpu_layers
+        mp.use_extra_bufts = extra_buffers_safe()
         self._model = lc.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
             raise GenerationError(f"{path}: llama.cpp could not load the model")
