@@ -217,6 +217,20 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
             /* LoRA's B (A x) in the forward: an inner dimension of the rank. (The native mode keeps
              * ggml's kernel, as llama.cpp computes it.) */
             struct ggml_tensor * m = node->src[0];
+            if (m->op == GGML_OP_CONT && m->src[0]->op == GGML_OP_PERMUTE) {
+                /* attention's V P, from V transposed to [T, hd, n_kv] (graph.c): rank_expand reads V
+                 * as stored instead, each output column a sum of V's columns over the keys. The
+                 * transposed copy stays for the backward. */
+                const struct ggml_tensor * pm = m->src[0];
+                const int32_t * ax = (const int32_t *) pm->op_params;
+                if (ax[0] == 1 && ax[1] == 2 && ax[2] == 0 && ax[3] == 3) {
+                    struct ggml_tensor * v = ggml_permute(ctx, pm->src[0], 0, 2, 1, 3);    /* [hd, T, n_kv] */
+                    if (rg_rank_expand_fits(v, node->src[1]) && v->ne[0] == node->ne[0]) {
+                        become(node, rg_rank_expand(ctx, v, node->src[1]));
+                        continue;
+                    }
+                }
+            }
             if ((m->flags & GGML_TENSOR_FLAG_PARAM) && m->ne[0] < m->ne[1] && m->ne[0] <= RG_RANK_EXPAND_MAX) {
                 struct ggml_tensor * v = transposed(&tc, ctx, m);
                 if (rg_rank_expand_fits(v, node->src[1])) {
