@@ -95,13 +95,13 @@ static bool pack_simd(void) {
  * and was a tenth of an SFT step; each value here is computed as ggml computes it (q d + m as a
  * product then a sum, not fused), then rounded as ggml_cpu_fp32_to_bf16 rounds, so the packed
  * weight is bit for bit the one the general path writes. */
-__attribute__((target("avx512f,avx512bw,avx512bf16")))
+__attribute__((target("avx512f,avx512bw,avx512bf16,f16c")))
 static void q4_1_to_bf16(const uint8_t * blk, int64_t nb, uint16_t * out) {
     for (int64_t b = 0; b < nb; b++, blk += 20, out += 32) {      /* fp16 d, fp16 m, 16 bytes of nibbles */
         uint16_t hd, hm;
         memcpy(&hd, blk, 2);
         memcpy(&hm, blk + 2, 2);
-        const __m512 d = _mm512_set1_ps(ggml_fp16_to_fp32(hd)), m = _mm512_set1_ps(ggml_fp16_to_fp32(hm));
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(hd)), m = _mm512_set1_ps(_cvtsh_ss(hm));
         const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (blk + 4)));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xf)));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
@@ -110,12 +110,12 @@ static void q4_1_to_bf16(const uint8_t * blk, int64_t nb, uint16_t * out) {
     }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512bf16")))
+__attribute__((target("avx512f,avx512bw,avx512bf16,f16c")))
 static void q8_0_to_bf16(const uint8_t * blk, int64_t nb, uint16_t * out) {
     for (int64_t b = 0; b < nb; b++, blk += 34, out += 32) {      /* fp16 d, 32 signed bytes */
         uint16_t hd;
         memcpy(&hd, blk, 2);
-        const __m512 d = _mm512_set1_ps(ggml_fp16_to_fp32(hd));
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(hd));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (blk + 2))));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (blk + 18))));
         _mm512_storeu_si512(out, (__m512i) _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, d), _mm512_mul_ps(lo, d)));

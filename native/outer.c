@@ -13,9 +13,9 @@
  * contraction runs, each step loading 32 values of one operand (the "vector" side) and 8 scalars
  * of the other (the "broadcast" side) for 16 AVX-512 multiply-adds (half the loads per FMA of a
  * 4 x 16 tile in AVX2 registers, which ran at about half the FMA units' rate). CPUs without AVX-512
- * run the tile as four 4 x 16 quarters. Tiles are dealt to the threads round robin; every output
- * is one FMA chain over the contraction in order, so results depend neither on the thread count
- * nor on the kernel.
+ * run the tile as four 4 x 16 quarters. Tiles go to the threads in runs (outer sums) or round
+ * robin (rank_expand); every output is one FMA chain over the contraction in order, so results
+ * depend neither on the thread count nor on the kernel.
  * The profile that led here is in docs/benchmarks.md.
  */
 #include "rg_internal.h"
@@ -199,8 +199,12 @@ static void outer_sum(struct ggml_tensor * dst, int ith, int nth, void * userdat
     const int64_t tv = (nv + VW - 1) / VW, tb = (nbr + BW - 1) / BW, per_head = tv * tb;
     const size_t ld_out = dst->nb[1] / sizeof(float);
     float acc[BW][VW];
-    /* v-major order: a thread's consecutive tiles share the vector block, which stays in cache */
-    for (int64_t k = ith; k < per_head * H; k += nth) {
+    /* v-major order, each thread a contiguous run: a thread's consecutive tiles share the vector
+     * block (one run of the wide operand per token, 32 KiB over 256 tokens), so the second and later
+     * reads of it hit L1. Dealt round robin, the two tiles of LoRA's rank 16 went to both threads and
+     * each read the block from memory, which is where this op's time went. */
+    const int64_t n_tiles = per_head * H;
+    for (int64_t k = n_tiles * ith / nth; k < n_tiles * (ith + 1) / nth; k++) {
         const int64_t h = k / per_head, kk = k % per_head;
         const int64_t v0 = (kk / tb) * VW, b0 = (kk % tb) * BW;
         const int cv = (int) (nv - v0 < VW ? nv - v0 : VW), cb = (int) (nbr - b0 < BW ? nbr - b0 : BW);
