@@ -20,7 +20,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define HEAD_LOGITS_BYTES (64u << 20)   /* transient logits per chunk */
+/* transient logits per chunk: 32 MiB (170 rows of the default model's vocabulary) kept a GRPO step
+ * of the default model within 1 GiB, where 64 MiB did not; but at least HEAD_MIN_CHUNK rows, since
+ * each chunk's product reads all of W_out (320 MiB packed on Gemma 3's 262k vocabulary) */
+#define HEAD_LOGITS_BYTES (32u << 20)
+#define HEAD_MIN_CHUNK    64
 #define HEAD_VOCAB_SLICE  8192          /* rows of W_out dequantized at a time in phase B */
 #define HEAD_MAX_NODES    512
 
@@ -202,7 +206,7 @@ static rg_status select_rows(rg_head * h, const rg_batch * batch) {
     }
     const size_t col_bytes = (size_t) h->model->hp.n_vocab * sizeof(float);
     h->chunk = (int) (HEAD_LOGITS_BYTES / col_bytes);
-    if (h->chunk < 1) h->chunk = 1;
+    if (h->chunk < HEAD_MIN_CHUNK) h->chunk = HEAD_MIN_CHUNK;
     if (h->chunk > n) h->chunk = n > 0 ? n : 1;
     return RG_OK;
 }
