@@ -4,13 +4,41 @@
  * The profile of a training step says how many FLOP/s each op reached; this says what ggml's own
  * kernel reaches on a plain product of the same kind on this machine, in the same process, so the
  * two can be read side by side (a 2-core VM's speed drifts by a third from one minute to the
- * next, so a peak measured yesterday is no yardstick).
+ * next, so a peak measured yesterday is no yardstick). The packed BF16 product (gemm.c) gets the
+ * same treatment: where it runs, it is the fastest product the step uses, so the machine's peak.
  */
 #include "rg_internal.h"
 
 #include "ggml-cpu.h"
 
 #include <stdlib.h>
+#include <string.h>
+
+/* values in [-1, 1): any will do, not zeros */
+static void fill(float * x, int64_t n) {
+    uint32_t s = 12345u;
+    for (int64_t i = 0; i < n; i++) {
+        s = s * 1664525u + 1013904223u;
+        x[i] = (float) ((int32_t) (s >> 9) - (1 << 22)) / (float) (1 << 22);
+    }
+}
+
+/* seconds per computation of gf (one warm-up, then the mean of reps) */
+static rg_status time_graph(struct ggml_cgraph * gf, int n_threads, int reps, const char * what, double * seconds_out) {
+    struct ggml_cplan plan = ggml_graph_plan(gf, n_threads, NULL);
+    void * work = plan.work_size ? malloc(plan.work_size) : NULL;
+    if (plan.work_size && !work) return rg_fail(RG_ERR_NOMEM, "%s: out of host memory for the work buffer", what);
+    plan.work_data = work;
+    rg_status st = RG_OK;
+    double t0 = 0;
+    for (int r = -1; r < reps && st == RG_OK; r++) {           /* r = -1 warms up */
+        if (r == 0) t0 = rg_now_ms();
+        if (ggml_graph_compute(gf, &plan) != GGML_STATUS_SUCCESS) st = rg_fail(RG_ERR_COMPUTE, "%s: the product failed", what);
+    }
+    free(work);
+    if (st == RG_OK) *seconds_out = (rg_now_ms() - t0) / 1000.0 / reps;
+    return st;
+}
 
 rg_status rg_matmul_bench(int type, int64_t m, int64_t n, int64_t k, int n_threads, int reps, double * seconds_out) {
     if (type < 0 || type >= GGML_TYPE_COUNT || m < 1 || n < 1 || k < 1 || n_threads < 1 || reps < 1) {
@@ -31,11 +59,7 @@ rg_status rg_matmul_bench(int type, int64_t m, int64_t n, int64_t k, int n_threa
         ggml_free(ctx);
         return rg_fail(RG_ERR_NOMEM, "matmul bench: out of host memory");
     }
-    uint32_t s = 12345u;                                     /* any values will do; not zeros */
-    for (int64_t i = 0; i < k * m; i++) {
-        s = s * 1664525u + 1013904223u;
-        src[i] = (float) ((int32_t) (s >> 9) - (1 << 22)) / (float) (1 << 22);
-    }
+    fill(src, k * m);
     for (int64_t i = 0; i < k * n; i++) ((float *) x->data)[i] = src[i % (k * m)];
     if (t == GGML_TYPE_F32) {
         for (int64_t i = 0; i < k * m; i++) ((float *) a->data)[i] = src[i];
@@ -48,21 +72,42 @@ rg_status rg_matmul_bench(int type, int64_t m, int64_t n, int64_t k, int n_threa
     struct ggml_tensor * y = ggml_mul_mat(ctx, a, x);
     struct ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, y);
-    struct ggml_cplan plan = ggml_graph_plan(gf, n_threads, NULL);
-    void * work = plan.work_size ? malloc(plan.work_size) : NULL;
-    if (plan.work_size && !work) {
-        ggml_free(ctx);
-        return rg_fail(RG_ERR_NOMEM, "matmul bench: out of host memory for the work buffer");
+    rg_status st = time_graph(gf, n_threads, reps, "matmul bench", seconds_out);
+    ggml_free(ctx);
+    return st;
+}
+
+rg_status rg_gemm_bench(int64_t m, int64_t n, int64_t k, int n_threads, int reps, double * seconds_out) {
+    if (!rg_gemm_available()) return rg_fail(RG_ERR_ARG, "the packed BF16 product needs a CPU with AVX512-BF16");
+    if (m < 1 || n < 1 || k < 1 || n_threads < 1 || reps < 1) {
+        return rg_fail(RG_ERR_ARG, "gemm bench: bad arguments (%lld x %lld x %lld, %d threads, %d reps)",
+                       (long long) m, (long long) n, (long long) k, n_threads, reps);
     }
-    plan.work_data = work;
-    rg_status st = RG_OK;
-    double t0 = 0;
-    for (int r = -1; r < reps && st == RG_OK; r++) {           /* r = -1 warms up */
-        if (r == 0) t0 = rg_now_ms();
-        if (ggml_graph_compute(gf, &plan) != GGML_STATUS_SUCCESS) st = rg_fail(RG_ERR_COMPUTE, "matmul bench: the product failed");
+    /* generous: both operands packed twice (the packing ops' outputs and their plain copies) */
+    const size_t pad = 2 * (size_t) (k + 64) * (size_t) (m + n + 64);
+    const size_t bytes = sizeof(float) * (size_t) (k * m + k * n + m * n) + 4 * pad + ggml_tensor_overhead() * 16 +
+                         2 * ggml_graph_overhead() + (1u << 20);
+    struct ggml_init_params ip = { bytes, NULL, false };
+    struct ggml_context * ctx = ggml_init(ip);
+    if (!ctx) return rg_fail(RG_ERR_NOMEM, "gemm bench: out of host memory (%zu bytes)", bytes);
+    struct ggml_tensor * w = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, m), * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n);
+    fill(w->data, k * m);
+    fill(x->data, k * n);
+    /* pack once; the timed graph multiplies plain copies, so only the product runs */
+    struct ggml_tensor * pw = rg_pack_weight(ctx, w, false), * px = rg_pack_act(ctx, x);
+    struct ggml_cgraph * gp = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gp, pw);
+    ggml_build_forward_expand(gp, px);
+    rg_status st = ggml_graph_compute_with_ctx(ctx, gp, n_threads) == GGML_STATUS_SUCCESS
+        ? RG_OK : rg_fail(RG_ERR_COMPUTE, "gemm bench: packing failed");
+    if (st == RG_OK) {
+        struct ggml_tensor * cw = ggml_dup_tensor(ctx, pw), * cx = ggml_dup_tensor(ctx, px);
+        memcpy(cw->data, pw->data, ggml_nbytes(pw));
+        memcpy(cx->data, px->data, ggml_nbytes(px));
+        struct ggml_cgraph * gf = ggml_new_graph(ctx);
+        ggml_build_forward_expand(gf, rg_gemm(ctx, cw, cx, m, n));
+        st = time_graph(gf, n_threads, reps, "gemm bench", seconds_out);
     }
-    free(work);
-    if (st == RG_OK) *seconds_out = (rg_now_ms() - t0) / 1000.0 / reps;
     ggml_free(ctx);
     return st;
 }

@@ -281,6 +281,9 @@ void      rg_engine_profile_reset(rg_engine * engine);
  * type; k a multiple of its block size) with an F32 [k, n] one: seconds per product, the median
  * rate is 2 m n k / seconds. A yardstick for the profile's FLOP rates, measured in the same run. */
 rg_status rg_matmul_bench(int type, int64_t m, int64_t n, int64_t k, int n_threads, int reps, double * seconds_out);
+/* The same for the packed BF16 product (gemm.c's kernel now, rg_gemm_kernel) of an [m, k] weight
+ * and [k, n] activations, both packed beforehand: the product alone. RG_ERR_ARG where it does not run. */
+rg_status rg_gemm_bench(int64_t m, int64_t n, int64_t k, int n_threads, int reps, double * seconds_out);
 /* The packed BF16 product (gemm.c) on its own, for tests against an oracle: w [n_out, n_in] (row-major
  * floats) is quantized to ggml type `type` (or kept, F32) and written back dequantized to w_dequant;
  * out = W x for x [n_tokens, n_in], or W^T x for x [n_tokens, n_out] when transposed, each row of out

@@ -444,6 +444,14 @@ def gemm_check(type_name: str, w: np.ndarray, x: np.ndarray, *, transposed: bool
     return out, deq
 
 
+def gemm_bench(m: int, n: int, k: int, *, threads: int = 2, reps: int = 5) -> float:
+    """FLOP/s of the packed BF16 product (gemm_kernel()'s) of an [m, k] weight with [k, n] activations,
+    both packed beforehand: the product alone. Raises where it does not run (gemm_available())."""
+    out = ffi.new("double *")
+    _check(lib.rg_gemm_bench(m, n, k, threads, reps, out))
+    return 2.0 * m * n * k / out[0]
+
+
 def gemm_available() -> bool:
     """Whether the packed BF16 product runs on this CPU (AVX512-BF16, RETRO_PACKED_GEMM not 0)."""
     return bool(lib.rg_gemm_available())

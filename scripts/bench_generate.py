@@ -26,11 +26,9 @@ def main() -> None:
     ap.add_argument("--weights", default="", help="generator copies to compare with the model's own weights, "
                                                   "comma-separated (f16, bf16, q8_0)")
     args = ap.parse_args()
-    from llama_cpp import Llama
-
     from retrograd.data.chat import format_for
     from retrograd.engine import LoraSpec, Trainable
-    from retrograd.generation.llama import Generator
+    from retrograd.generation.llama import Generator, plain_llama
     from retrograd.models import default_model_path
 
     model = args.model or str(default_model_path())
@@ -53,7 +51,7 @@ def main() -> None:
     copies = compare_weights(gen, model, formats, prompt, args) if formats else {}
     gen.tokenizer.eog_ids = eog
 
-    llm = Llama(model_path=model, n_ctx=1024, n_threads=args.threads, verbose=False)
+    llm = plain_llama(model, n_ctx=1024, n_threads=args.threads)
     llm.create_completion(prompt, max_tokens=8)
 
     def ref() -> float:

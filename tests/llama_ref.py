@@ -12,25 +12,12 @@ import numpy as np
 
 
 def llama(path, lora_path=None, n_ctx=1024, exact=True):
-    import llama_cpp.llama_cpp as lc
-    from llama_cpp import Llama
+    """llama.cpp on `path` with every token's logits; exact: F32 KV cache and no repacked weights"""
+    from retrograd.generation.llama import plain_llama
 
-    from retrograd.generation.llama import extra_buffers_safe
-
-    orig = lc.llama_model_default_params
-
-    def params():
-        p = orig()
-        p.use_extra_bufts = not exact and extra_buffers_safe()
-        return p
-
-    lc.llama_model_default_params = params
-    try:
-        kw = dict(type_k=0, type_v=0) if exact else {}
-        return Llama(model_path=str(path), lora_path=str(lora_path) if lora_path else None, logits_all=True,
-                     n_ctx=n_ctx, n_threads=2, verbose=False, **kw)
-    finally:
-        lc.llama_model_default_params = orig
+    kw = dict(type_k=0, type_v=0) if exact else {}
+    return plain_llama(path, extra_buffers=not exact, lora_path=str(lora_path) if lora_path else None,
+                       logits_all=True, n_ctx=n_ctx, n_threads=2, **kw)
 
 
 def next_token_logprobs(llm, tokens) -> np.ndarray:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import THREADS
 
+from retrograd import native
 from retrograd.config import load
 from retrograd.context import open_model
 from retrograd.trainer import train
@@ -186,6 +187,8 @@ def test_retrograd_profile_sft_reports_ops_kinds_and_flops(tiny, tmp_path):
         for kind in ("q", "k", "v", "o", "gate", "up", "down", "lora", "attention"):
             assert (phase, kind) in cells, (phase, kind)
     assert rep["tokens_s"] > 0 and rep["peak_flops"] > 0 and rep["effective_flops"] > 0
+    # the packed product's own rate, where it runs, is the other yardstick
+    assert (rep["packed_flops"] > 0) == native.gemm_available() and rep["packed_kernel"] == native.gemm_kernel()
     assert rep["graph_flops"] == pytest.approx(sum(e["flops"] for e in rep["entries"]))
     text = subprocess.run([sys.executable, "-m", "retrograd.commands.profile", "--sft", "--model", str(model),
                            "--batch", "1", "--seq", "16", "--steps", "1", "--threads", str(THREADS)],

@@ -77,12 +77,13 @@ def profile_sft(tr: Trainable, *, batch: int, seq: int, micro_batch_tokens: int,
     step_s = statistics.median(times)
     graph_flops = sum(e.flops for e in entries)
     peak = native.matmul_bench(peak_type, 2048, micro_batch_tokens, 2048, threads=threads, reps=5)
+    packed = native.gemm_bench(2048, micro_batch_tokens, 2048, threads=threads, reps=5) if native.gemm_available() else 0.0
     return {
         "model": tr.model_path.name, "batch": batch, "seq": seq, "micro_batch_tokens": micro_batch_tokens,
         "rank": tr.spec.rank, "threads": threads, "steps": steps, "step_s": step_s, "step_times": times,
         "tokens_s": n_rows / step_s, "head_s": head_s, "head_flops": head_flops,
         "graph_flops": graph_flops, "effective_flops": (graph_flops + head_flops) / step_s,
-        "peak_flops": peak, "peak_type": peak_type,
+        "peak_flops": peak, "peak_type": peak_type, "packed_flops": packed, "packed_kernel": native.gemm_kernel(),
         "entries": [e.__dict__ for e in entries],
     }
 
@@ -94,6 +95,10 @@ def print_report(r: dict, top: int = 30) -> None:
           f"{(r['graph_flops'] + r['head_flops']) / 1e9:.0f} GFLOP a step: {r['effective_flops'] / 1e9:.1f} GFLOP/s "
           f"effective = {100 * r['effective_flops'] / r['peak_flops']:.0f}% of ggml's {r['peak_type'].upper()} product "
           f"on this machine now ({r['peak_flops'] / 1e9:.1f} GFLOP/s, 2048 x {r['micro_batch_tokens']} x 2048)")
+    if r.get("packed_flops"):
+        print(f"  = {100 * r['effective_flops'] / r['packed_flops']:.0f}% of retrograd's packed BF16 product, the fastest "
+              f"on this machine ({r['packed_kernel']} kernel, {r['packed_flops'] / 1e9:.1f} GFLOP/s on the same shape, "
+              f"operands packed beforehand)")
     if r.get("matmul_precision"):
         print(f"  base weights multiplied in: {r['matmul_precision']}")
     entries = r["entries"]

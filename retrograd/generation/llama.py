@@ -72,6 +72,26 @@ def extra_buffers_safe() -> bool:
     return True
 
 
+def plain_llama(path: str | os.PathLike, *, extra_buffers: bool = True, **kw):
+    """llama-cpp-python's high-level `Llama` on `path` (benchmarks and tests compare with it), its
+    weights in llama.cpp's extra CPU buffers only where asked and safe (extra_buffers_safe): `Llama`
+    has no argument for it, so its default model parameters are swapped while it loads."""
+    from llama_cpp import Llama
+
+    orig = lc.llama_model_default_params
+
+    def params():
+        p = orig()
+        p.use_extra_bufts = extra_buffers and extra_buffers_safe()
+        return p
+
+    lc.llama_model_default_params = params
+    try:
+        return Llama(model_path=str(path), verbose=False, **kw)
+    finally:
+        lc.llama_model_default_params = orig
+
+
 class Generator:
     """A llama.cpp model and context for generation, with an adapter slot."""
 
