@@ -278,9 +278,8 @@ static void pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata
             const int64_t t = tb * NR + j;
             const float * col = t < T ? (const float *) ((const char *) x->data + t * x->nb[1]) : NULL;
             for (int64_t p0 = 0; p0 < kp; p0 += 16) {
-                const int64_t left = k > 2 * p0 ? k - 2 * p0 : 0;    /* values from here to the column's end */
-                const __mmask16 mlo = left >= 16 ? 0xffff : (__mmask16) ((1u << left) - 1);
-                const __mmask16 mhi = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16) ((1u << (left - 16)) - 1);
+                const int64_t left = k - 2 * p0;     /* values from here to the column's end */
+                const __mmask16 mlo = rg_lanes16(left), mhi = rg_lanes16(left - 16);
                 __m512i v = _mm512_setzero_si512();
                 if (col) {
                     const __m512 lo = _mm512_maskz_loadu_ps(mlo, col + 2 * p0);
@@ -288,7 +287,7 @@ static void pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata
                     v = (__m512i) _mm512_cvtne2ps_pbh(hi, lo);
                 }
                 const int64_t np = kp - p0 < 16 ? kp - p0 : 16;
-                _mm512_mask_i32scatter_epi32(ob + p0 * NR + j, (__mmask16) ((1u << np) - 1), idx, v, 4);
+                _mm512_mask_i32scatter_epi32(ob + p0 * NR + j, rg_lanes16(np), idx, v, 4);
             }
         }
     }
@@ -314,8 +313,7 @@ static void tile_32x12(const uint16_t * A, const uint32_t * B, int64_t kp, float
         A += 2 * MR;
         B += NR;
     }
-    const __mmask16 ma = nr >= 16 ? 0xffff : (__mmask16) ((1u << nr) - 1);
-    const __mmask16 mb = nr >= 32 ? 0xffff : nr <= 16 ? 0 : (__mmask16) ((1u << (nr - 16)) - 1);
+    const __mmask16 ma = rg_lanes16(nr), mb = rg_lanes16(nr - 16);
     if (lr) {
         /* + V Z over the rank, in F32: V's 32 rows of column q times token j's value q */
         for (int q = 0; q < lr->r; q++) {
@@ -356,14 +354,7 @@ static void gemm(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
         const int64_t blk = i / ntb, tb = i % ntb;
         const int nr = (int) (rows - blk * MR < MR ? rows - blk * MR : MR);
         const int nt = (int) (T - tb * NR < NR ? T - tb * NR : NR);
-        rg_lowrank lr;
-        if (v) {
-            lr.V = (const float *) v->data + blk * MR;
-            lr.ldv = v->nb[1] / sizeof(float);
-            lr.Z = (const float *) z->data + tb * NR * (z->nb[1] / sizeof(float));
-            lr.ldz = z->nb[1] / sizeof(float);
-            lr.r = (int) v->ne[1];
-        }
+        const rg_lowrank lr = v ? rg_lowrank_at(v, z, blk * MR, tb * NR) : (rg_lowrank) { 0 };
         tile_32x12((const uint16_t *) a->data + blk * kp * 2 * MR, (const uint32_t *) b->data + tb * kp * NR, kp,
                    (float *) dst->data + tb * NR * ldc + blk * MR, ldc, nr, nt, v ? &lr : NULL);
     }

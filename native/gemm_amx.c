@@ -56,9 +56,7 @@ void rg_amx_pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata
         }
         const float * col = (const float *) ((const char *) x->data + t * x->nb[1]);
         for (int64_t i = 0; i < width; i += 32) {
-            const int64_t left = k - i > 0 ? k - i : 0;
-            const __mmask16 mlo = left >= 16 ? 0xffff : (__mmask16) ((1u << left) - 1);
-            const __mmask16 mhi = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16) ((1u << (left - 16)) - 1);
+            const __mmask16 mlo = rg_lanes16(k - i), mhi = rg_lanes16(k - i - 16);
             const __m512 lo = _mm512_maskz_loadu_ps(mlo, col + i), hi = _mm512_maskz_loadu_ps(mhi, col + i + 16);
             _mm512_storeu_si512(o + i, (__m512i) _mm512_cvtne2ps_pbh(hi, lo));
         }
@@ -75,8 +73,7 @@ struct tile_config {
 /* buf[t][r] (32 x 32, F32) += sum over q of V(r, q) Z(q, t), then the nr x nt corner to C */
 __attribute__((target("avx512f")))
 static void finish_block(const float * buf, float * C, int64_t ldc, int nr, int nt, const rg_lowrank * lr) {
-    const __mmask16 ma = nr >= 16 ? 0xffff : (__mmask16) ((1u << nr) - 1);
-    const __mmask16 mb = nr >= 32 ? 0xffff : nr <= 16 ? 0 : (__mmask16) ((1u << (nr - 16)) - 1);
+    const __mmask16 ma = rg_lanes16(nr), mb = rg_lanes16(nr - 16);
     for (int t = 0; t < nt; t++) {
         __m512 c0 = _mm512_loadu_ps(buf + t * MR), c1 = _mm512_loadu_ps(buf + t * MR + 16);
         if (lr) {
@@ -145,14 +142,7 @@ void rg_amx_gemm(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
         _tile_stored(1, buf + 16, MR * sizeof(float));
         _tile_stored(2, buf + 16 * MR, MR * sizeof(float));
         _tile_stored(3, buf + 16 * MR + 16, MR * sizeof(float));
-        rg_lowrank lr;
-        if (v) {
-            lr.ldv = v->nb[1] / sizeof(float);
-            lr.V = (const float *) v->data + blk * MR;
-            lr.ldz = z->nb[1] / sizeof(float);
-            lr.Z = (const float *) z->data + tb * TB * lr.ldz;
-            lr.r = (int) v->ne[1];
-        }
+        const rg_lowrank lr = v ? rg_lowrank_at(v, z, blk * MR, tb * TB) : (rg_lowrank) { 0 };
         finish_block(buf, C, ldc, nr, nt, v ? &lr : NULL);
     }
     _tile_release();

@@ -103,8 +103,7 @@ static void tile_avx2(const rg_tile * t, float acc[QB][QV]) {
  * again and are dropped by the caller), each output one FMA chain over the steps */
 __attribute__((target("avx512f")))
 static void tile_avx512(const rg_tile * t, int nv, int nb, float acc[BW][VW]) {
-    const __mmask16 m0 = nv >= 16 ? 0xffff : (__mmask16) ((1u << nv) - 1);
-    const __mmask16 m1 = nv >= 32 ? 0xffff : nv <= 16 ? 0 : (__mmask16) ((1u << (nv - 16)) - 1);
+    const __mmask16 m0 = rg_lanes16(nv), m1 = rg_lanes16(nv - 16);
     size_t off[BW];
     for (int i = 0; i < BW; i++) off[i] = (size_t) (i < nb ? i : 0) * t->sb;
 #define RG_Z(i) __m512 a##i##0 = _mm512_setzero_ps(), a##i##1 = _mm512_setzero_ps();

@@ -224,6 +224,16 @@ typedef struct {
     int64_t       ldv, ldz;
     int           r;
 } rg_lowrank;
+/* the term for the tile whose first row is row0 and first token tok0, from v [rows, r] and z [r, T] */
+static inline rg_lowrank rg_lowrank_at(const struct ggml_tensor * v, const struct ggml_tensor * z, int64_t row0,
+                                       int64_t tok0) {
+    const int64_t ldv = v->nb[1] / sizeof(float), ldz = z->nb[1] / sizeof(float);
+    const rg_lowrank lr = { (const float *) v->data + row0, (const float *) z->data + tok0 * ldz, ldv, ldz, (int) v->ne[1] };
+    return lr;
+}
+/* a 16-lane mask of the first n lanes (none for n <= 0, all for n >= 16): the lanes of a vector
+ * that still hold data when n values are left */
+static inline uint16_t rg_lanes16(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (uint16_t) ((1u << n) - 1); }
 /* gemm_amx.c: the same product on AMX tiles. rg_amx_ready: the CPU has AMX-BF16 and Linux granted
  * the tile state (asked once). The activations' packing there is row-major BF16 [2 kp, 32 ceil(T / 32)]
  * (kp a multiple of 16); both are ggml custom ops for gemm.c's builders. */
