@@ -13,6 +13,7 @@ import numpy as np
 from retrograd import adapter as adapter_io
 from retrograd import native
 from retrograd.batch import Batch, CoeffFn, LossInputs, LossOutputs  # noqa: F401 - re-exported
+from retrograd.memory import return_large_blocks
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Trainable(native.Closeable):
 
     def __init__(self, model_path: str | os.PathLike, spec: LoraSpec, *, device: str = "auto",
                  threads: int | None = None, seed: int = 0) -> None:
+        return_large_blocks()          # memory.py: freed per-step arrays go back to the system
         self.model_path = Path(model_path)
         self.model = native.Model(self.model_path, device=device, threads=threads)
         self.engine = native.Engine(self.model)

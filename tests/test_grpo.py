@@ -220,3 +220,28 @@ def test_generate_groups_equals_one_group_at_a_time(smollm):
     with pytest.raises(ValueError, match="10 sequences requested"):
         gen.generate_groups(prompts, params[:2] + [params[2] + [params[2][0]]])
     gen.close()
+
+
+def test_groups_fit_a_kv_cache_sized_to_their_shared_prompts(smollm):
+    """GRPO sizes the generator's KV cache to the prompts once plus every completion (rl.py): the
+    groups sample the same there as in a cache of n_ctx x n_seq cells, and a cache too small for
+    the work fails with its size named instead of sampling from a truncated context."""
+    from retrograd.generation.llama import Generator, SamplingParams
+
+    prompts_text = ["The capital of France is", "The capital of Peru is", "Two plus"]
+    params = [[SamplingParams(0.7, 0.95, 0, 12, 10 * g + i) for i in range(3)] for g in range(3)]
+    outs = {}
+    for cells in (None, 3 * 96 + 9 * (12 + 8)):
+        gen = Generator(smollm, n_ctx=96, n_seq=9, threads=THREADS, kv_cells=cells)
+        assert gen.kv_cells == (96 * 9 if cells is None else cells)
+        outs[cells] = gen.generate_groups([gen.tokenizer.encode(p) for p in prompts_text], params)
+        gen.close()
+    for group_full, group_sized in zip(*outs.values()):
+        assert [o.tokens for o in group_full] == [o.tokens for o in group_sized]
+    gen = Generator(smollm, n_ctx=96, n_seq=9, threads=THREADS, kv_cells=1)
+    assert gen.kv_cells == 96                       # never below one sequence's context
+    gen.tokenizer.eog_ids = frozenset()
+    long = [[SamplingParams(0.7, 0.95, 0, 40, 10 * g + i) for i in range(3)] for g in range(3)]
+    with pytest.raises(RuntimeError, match="KV cache of 96 cells"):
+        gen.generate_groups([gen.tokenizer.encode(p) for p in prompts_text], long)
+    gen.close()

@@ -37,7 +37,7 @@ class GRPO(RolloutRecipe):
         g = run.cfg.grpo
         # without resampling, a step's groups are decoded together (one weight read per token for all)
         together = g.prompts_per_step if g.resample_zero_groups == 0 else 1
-        super().__init__(run, g, "grpo", n_seq=g.group_size * together)
+        super().__init__(run, g, "grpo", n_seq=g.group_size * together, groups=together)
         self.pg = PGConfig(g.loss, g.epsilon, g.epsilon_high or g.epsilon, g.beta, max_new_tokens=g.max_new_tokens)
         self.current: Rollout | None = None
         self.iteration = 0

@@ -23,7 +23,10 @@ from retrograd.run_setup import config_dir, config_label
 class RolloutRecipe:
     """Base of the RL recipes; `settings` is their [grpo] or [ppo] section."""
 
-    def __init__(self, run: RunContext, settings: RolloutSection, section: str, n_seq: int) -> None:
+    def __init__(self, run: RunContext, settings: RolloutSection, section: str, n_seq: int,
+                 groups: int | None = None) -> None:
+        """groups: how many prompts the n_seq sequences continue (each group shares its prompt's KV
+        cells); None: every sequence has a prompt of its own."""
         self.run, self.g, self.section = run, settings, section
         cfg = run.cfg
         self.rewards = self.build_rewards()
@@ -31,9 +34,11 @@ class RolloutRecipe:
         self.stream = ExampleStream(self.train_prompts, cfg.run.seed, cfg.data.shuffle)
         threads = run.trainable.info.n_threads
         make = run.generators or Generator      # with [distributed]: sampled on the workers
+        n_ctx = self.context_size()
+        # a group's sequences share the prompt's cells: the prompts once, then every completion
+        cells = None if groups is None else groups * n_ctx + n_seq * (settings.max_new_tokens + 8)
         self.gen = make(generator_model(run.trainable.model_path, settings.generator_weights, threads),
-                             n_ctx=self.context_size(),
-                             n_seq=n_seq, threads=threads, device=cfg.model.device)
+                        n_ctx=n_ctx, n_seq=n_seq, threads=threads, device=cfg.model.device, kv_cells=cells)
         self.rollout_index = 0
 
     def context_size(self) -> int:

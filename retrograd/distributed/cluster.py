@@ -261,8 +261,9 @@ class Cluster:
         return len(self.workers)
 
     def generator(self, path, *, n_ctx: int = 2048, n_seq: int = 1, threads: int | None = None,
-                  device: str = "auto"):
-        """A generator with Generator's interface whose sampling runs on the workers."""
+                  device: str = "auto", kv_cells: int | None = None):
+        """A generator with Generator's interface whose sampling runs on the workers (each sizes its
+        own KV cache for its share of the sequences, so kv_cells is not passed on)."""
         return RemoteGenerator(self, path, n_ctx=n_ctx, n_seq=n_seq, device=device)
 
     def put(self, value):

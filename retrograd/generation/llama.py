@@ -96,7 +96,10 @@ class Generator:
     """A llama.cpp model and context for generation, with an adapter slot."""
 
     def __init__(self, model_path: str | os.PathLike, *, n_ctx: int = 2048, n_seq: int = 1,
-                 threads: int | None = None, device: str = "auto") -> None:
+                 threads: int | None = None, device: str = "auto", kv_cells: int | None = None) -> None:
+        """n_ctx: tokens a sequence may reach; n_seq: sequences decoded together; kv_cells: the KV
+        cache's cells when the caller knows its sequences share their prompts (GRPO's groups: the
+        prompts once, then each sequence's completion), else n_ctx x n_seq."""
         quiet_llama_logs()
         if device not in ("auto", "cpu"):
             # the same check and error as the training engine's: --device gpu without a GPU fails here,
@@ -108,6 +111,8 @@ class Generator:
         self.tokenizer = Tokenizer(self.path)
         self.n_seq = max(1, n_seq)
         self.n_ctx = n_ctx
+        full = n_ctx * self.n_seq
+        self.kv_cells = full if kv_cells is None else max(n_ctx, min(int(kv_cells), full))
         self._threads = threads or resolve_threads()
         self._gpu_layers = 0 if device == "cpu" else 999
         self._adapter = None
@@ -123,7 +128,7 @@ class Generator:
         if not self._model:
             raise GenerationError(f"{path}: llama.cpp could not load the model")
         cp = lc.llama_context_default_params()
-        cp.n_ctx = self.n_ctx * self.n_seq
+        cp.n_ctx = self.kv_cells
         cp.n_batch = max(512, self.n_ctx)
         cp.n_ubatch = 512
         cp.n_seq_max = self.n_seq
@@ -133,8 +138,8 @@ class Generator:
         if not self._ctx:
             lc.llama_model_free(self._model)
             raise GenerationError(f"{path}: llama.cpp could not create a context of {cp.n_ctx} tokens")
-        log.info("generator %s: %d sequences x %d tokens, %s layers on the GPU", path.name, self.n_seq, self.n_ctx,
-                 "no" if self._gpu_layers == 0 else "all")
+        log.info("generator %s: %d sequences x %d tokens (%d KV cells), %s layers on the GPU", path.name, self.n_seq,
+                 self.n_ctx, self.kv_cells, "no" if self._gpu_layers == 0 else "all")
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
         self._mem = lc.llama_get_memory(self._ctx)
         self._batch_cap = max(512, self.n_seq)
@@ -175,12 +180,17 @@ class Generator:
             self._reopen(self.path)
             self._merged = None
             old = None                    # freed with the merged model's context
-        if data is None:
-            lc.llama_set_adapters_lora(self._ctx, None, 0, None)
-            self._adapter = None
-        else:
-            buf = ctypes.create_string_buffer(data, len(data))
-            fp = _libc.fmemopen(buf, len(data), b"rb")
+        # the old adapter goes first, so that two adapters never sit in memory together (GRPO swaps
+        # one every step, and the swap was the step's peak resident memory)
+        lc.llama_set_adapters_lora(self._ctx, None, 0, None)
+        self._adapter = None
+        self._cache = []               # cached keys/values were computed with other weights
+        if old is not None:
+            lc.llama_adapter_lora_free(old)
+        if data is not None:
+            # llama.cpp reads the bytes in place ("rb": fmemopen never writes), no copy of the adapter
+            data = data if isinstance(data, bytes) else bytes(data)
+            fp = _libc.fmemopen(data, len(data), b"rb")
             if not fp:
                 raise OSError("fmemopen failed")
             try:
@@ -192,11 +202,9 @@ class Generator:
             arr = (lc.llama_adapter_lora_p_ctypes * 1)(ad)
             scales = (ctypes.c_float * 1)(scale)
             if lc.llama_set_adapters_lora(self._ctx, arr, 1, scales) != 0:
+                lc.llama_adapter_lora_free(ad)
                 raise GenerationError("llama.cpp could not apply the adapter")
             self._adapter = ad
-        if old is not None:
-            lc.llama_adapter_lora_free(old)
-        self._cache = []               # cached keys/values were computed with other weights
 
     def load_adapter(self, path: str | os.PathLike) -> None:
         self.set_adapter(Path(path).read_bytes())
@@ -222,7 +230,8 @@ class Generator:
             batch.n_tokens = e - s
             rc = lc.llama_decode(self._ctx, batch)
             if rc != 0:
-                raise RuntimeError(f"llama_decode failed ({rc}): context of {self.n_ctx} tokens too small?")
+                raise RuntimeError(f"llama_decode failed ({rc}): KV cache of {self.kv_cells} cells "
+                                   f"({self.n_seq} sequences x {self.n_ctx} tokens) too small?")
 
     def _last_row(self, n: int) -> int:
         """Index, within the last llama_decode call, of the last of n tokens decoded in chunks."""
