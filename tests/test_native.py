@@ -181,10 +181,14 @@ def test_own_kernels_match_ggml_ops(tiny, smollm, arch):
             tr.lora.write(t.index, np.random.default_rng(t.index).standard_normal(t.shape).astype(np.float32) * 0.05)
         tr.engine.set_profiling(True)
         logps.append(tr.accumulate(batch, lambda inp: native.LossOutputs(coeff)))
-        custom = {(p.phase, p.kind) for p in tr.engine.profile() if p.op == "CUSTOM" and p.flops > 0}
+        prof = tr.engine.profile()
+        custom = {(p.phase, p.kind) for p in prof if p.op == "CUSTOM" and p.flops > 0}
         # the fast graph runs outer.c's ops where ggml's would be; the exact one none of them
         assert custom == (set() if exact else {("forward", "lora"), ("backward", "lora"), ("forward", "attention"),
                                                ("backward", "attention")})
+        # both of attention's forward products (K^T Q and V P) leave ggml's MUL_MAT in the fast graph
+        ggml_attention = {p.phase for p in prof if p.op == "MUL_MAT" and p.kind == "attention"}
+        assert ("forward" in ggml_attention) == exact
         grads.append({t.name: tr.lora.read(t.index, native.SLOT_GRAD) for t in tr.lora.tensors})
         tr.close()
     np.testing.assert_allclose(logps[1], logps[0], atol=2e-3)      # float32 sums in another order, 30 layers
