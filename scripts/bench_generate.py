@@ -4,7 +4,14 @@ LoRA adapter in from memory. With --weights, a group of 8 is also decoded from e
 (`[grpo].generator_weights`), the formats taking turns round by round, and each is given as a
 ratio to the model file's own weights measured in the same rounds.
 
+With --rollouts, the GRPO rollouts of examples/grpo-arith instead (4 prompts x 8 completions, at
+most 24 new tokens, temperature 1): the groups decoded one at a time from the model file's weights
+(how GRPO sampled when issue 12 was filed), all four together (how it samples now), and all four
+together from each --weights copy; the same prompts and seeds for every variant of a round, the
+order alternating, each given as a ratio to the first in the same rounds.
+
     python scripts/bench_generate.py [--model M] [--tokens 64] [--threads N] [--weights f16,bf16,q8_0]
+    python scripts/bench_generate.py --rollouts [--rounds 6] [--weights bf16,q8_0] [--threads N]
 """
 
 from __future__ import annotations
@@ -25,7 +32,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--weights", default="", help="generator copies to compare with the model's own weights, "
                                                   "comma-separated (f16, bf16, q8_0)")
+    ap.add_argument("--rollouts", action="store_true", help="GRPO rollouts of examples/grpo-arith (see above)")
+    ap.add_argument("--rounds", type=int, default=6, help="--rollouts: rounds, each on 4 new prompts")
     args = ap.parse_args()
+    if args.rollouts:
+        rollouts(args)
+        return
     from retrograd.data.chat import format_for
     from retrograd.engine import LoraSpec, Trainable
     from retrograd.generation.llama import Generator, plain_llama
@@ -119,6 +131,54 @@ def compare_weights(gen, model: str, formats: list[str], prompt: list[int], args
         for name in (list(gens) if r % 2 == 0 else list(gens)[::-1]):
             rates[name].append(rate(gens[name], prompt, params))
     return rates
+
+
+def rollouts(args) -> None:
+    """tokens/s of grpo-arith's rollouts by decoding order and generator weights (module docstring)"""
+    import json
+    from pathlib import Path
+
+    from retrograd.data.chat import format_for
+    from retrograd.generation.llama import Generator, SamplingParams
+    from retrograd.generation.weights import generator_model
+    from retrograd.models import default_model_path
+
+    model = Path(args.model or default_model_path())
+    groups, size, new = 4, 8, 24
+    n_ctx = 80
+    cells = groups * n_ctx + groups * size * (new + 8)           # as GRPO sizes it (algorithms/rl.py)
+    formats = ["native", *[w for w in args.weights.split(",") if w]]
+    gens = {f: Generator(str(generator_model(model, f, args.threads)), n_ctx=n_ctx, n_seq=groups * size,
+                         threads=args.threads, kv_cells=cells) for f in formats}
+    chat = format_for(gens["native"].tokenizer)
+    root = Path(__file__).resolve().parent.parent
+    records = [json.loads(line) for line in (root / "examples" / "grpo-arith" / "train.jsonl").open()]
+    prompts = [gens["native"].tokenizer.encode(chat.render([{"role": "user", "content": r["prompt"]}],
+                                                           add_generation_prompt=True)) for r in records]
+
+    def params(r: int, g: int) -> list:
+        return [SamplingParams(1.0, 1.0, 0, new, 1000 * r + 10 * g + i) for i in range(size)]
+
+    variants = {"one group at a time, native": ("native", False), "groups together, native": ("native", True)}
+    variants.update({f"groups together, {f}": (f, True) for f in formats[1:]})
+    rates: dict[str, list[float]] = {k: [] for k in variants}
+    for r in range(args.rounds + 1):                       # round 0 warms up every generator
+        ps = prompts[groups * r % len(prompts):][:groups]
+        for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+            f, together = variants[name]
+            t = time.perf_counter()
+            if together:
+                outs = [o for grp in gens[f].generate_groups(ps, [params(r, g) for g in range(groups)]) for o in grp]
+            else:
+                outs = [o for g, p in enumerate(ps) for o in gens[f].generate(p, params(r, g))]
+            if r:
+                rates[name].append(sum(len(o.tokens) for o in outs) / (time.perf_counter() - t))
+    first = rates["one group at a time, native"]
+    print(f"grpo-arith rollouts ({groups} x {size}, <= {new} new tokens), {args.rounds} rounds; ratio: median of "
+          "per-round ratios to one group at a time")
+    for name, rs in rates.items():
+        ratio = statistics.median(a / b for a, b in zip(rs, first))
+        print(f"  {name:<32} {statistics.median(rs):7.1f} tokens/s  {ratio:.2f}x")
 
 
 if __name__ == "__main__":
