@@ -140,3 +140,33 @@ def load(state_dir: Path, trainable) -> dict:
         lora.write(t.index, moments[f"v:{t.name}"], native.SLOT_ADAM_V)
     lora.zero(native.SLOT_GRAD)
     return meta["trainer"] | {"step": meta["step"]}
+
+
+# what a finished or interrupted run leaves in its run directory (beside config.json) and in its
+# checkpoint directory
+RUN_FILES = ("metrics.jsonl", "loss.png", "adapter.gguf", "merged.gguf")
+CHECKPOINT_GLOBS = ("step-*.state", "step-*.gguf", "best.state", "best.gguf", "latest")
+
+
+def set_aside_previous_run(out: Path, directory: Path) -> Path | None:
+    """Before a fresh (not resumed) run: move what an earlier run left in `out` and its checkpoint
+    `directory` into `out/previous/<n>/`, and return that folder (None when there was nothing).
+    Left in place, the earlier run's metrics would be appended to, its checkpoints at higher steps
+    would make `prune` delete the new run's and `--resume` continue the old run, and its adapter
+    would look like this run's until overwritten."""
+    out, directory = Path(out), Path(directory)
+    files = [out / name for name in RUN_FILES if (out / name).exists()]
+    states = [p for g in CHECKPOINT_GLOBS for p in sorted(directory.glob(g))] if directory.is_dir() else []
+    if not (out / "metrics.jsonl").exists() and not any(p.name.startswith("step-") for p in states):
+        return None
+    root = out / "previous"
+    n = 1 + max((int(p.name) for p in root.glob("*") if p.name.isdigit()), default=0) if root.is_dir() else 1
+    dest = root / str(n)
+    dest.mkdir(parents=True)
+    if states:
+        (dest / "checkpoints").mkdir()
+    for p in files:
+        shutil.move(str(p), str(dest / p.name))
+    for p in states:
+        shutil.move(str(p), str(dest / "checkpoints" / p.name))
+    return dest

@@ -125,6 +125,27 @@ def test_sigkill_and_resume_follow_the_same_trajectory(smollm, tmp_path):
     assert ga == gb
 
 
+def test_a_fresh_run_sets_the_earlier_run_aside(tiny, tmp_path):
+    """Training again into a run directory (without --resume) starts a new record: the earlier run's
+    metrics, adapter and checkpoints move to previous/1/, so its higher-step checkpoints neither get
+    the new run's pruned nor get resumed in its place, and its metrics are not appended to."""
+    train(open_model(load(make_run(tmp_path, tiny("llama"), steps=8, every=2))))
+    run = tmp_path / "runs" / "t"
+    old_metrics = (run / "metrics.jsonl").read_text()
+    ctx = open_model(load(make_run(tmp_path, tiny("llama"), steps=2, every=2)))
+    train(ctx)
+    assert any("held an earlier run" in n and "previous/1" in n for n in ctx.notes)
+    prev = run / "previous" / "1"
+    assert (prev / "metrics.jsonl").read_text() == old_metrics
+    assert json.loads((prev / "config.json").read_text())["training"]["max_steps"] == 8
+    assert {p.name for p in (prev / "checkpoints").glob("step-*.state")} == {"step-6.state", "step-8.state"}
+    assert sorted(losses(run)) == [1, 2]                               # only the new run's steps
+    assert {p.name for p in (run / "checkpoints").glob("step-*.state")} == {"step-2.state"}
+    assert ckpt.latest(run / "checkpoints").name == "step-2.state"
+    train(open_model(load(make_run(tmp_path, tiny("llama"), steps=2, every=2))), True)   # a resume moves nothing
+    assert not (run / "previous" / "2").exists()
+
+
 def test_resume_refuses_an_incompatible_checkpoint(tiny, tmp_path):
     cfg = load(make_run(tmp_path, tiny("llama"), steps=4, every=2))
     train(open_model(cfg))
