@@ -161,6 +161,12 @@ static struct ggml_cgraph * reordered(struct ggml_context * ctx, struct ggml_cgr
 
 /* node computes what op (a fresh outer.c op on the same shape) computes, in place: the backward's
  * references to node stay valid */
+/* whether t is ggml_permute(x, a0, a1, a2, a3) */
+static bool permuted_as(const struct ggml_tensor * t, int a0, int a1, int a2, int a3) {
+    const int32_t * ax = (const int32_t *) t->op_params;
+    return t->op == GGML_OP_PERMUTE && ax[0] == a0 && ax[1] == a1 && ax[2] == a2 && ax[3] == a3;
+}
+
 static void become(struct ggml_tensor * node, const struct ggml_tensor * op) {
     node->op = op->op;
     memcpy(node->op_params, op->op_params, sizeof(node->op_params));
@@ -217,32 +223,26 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
             /* LoRA's B (A x) in the forward: an inner dimension of the rank. (The native mode keeps
              * ggml's kernel, as llama.cpp computes it.) */
             struct ggml_tensor * m = node->src[0];
-            if (m->op == GGML_OP_CONT && m->src[0]->op == GGML_OP_PERMUTE) {
+            if (m->op == GGML_OP_CONT && permuted_as(m->src[0], 1, 2, 0, 3)) {
                 /* attention's V P, from V transposed to [T, hd, n_kv] (graph.c): rank_expand reads V
                  * as stored instead, each output column a sum of V's columns over the keys. The
                  * transposed copy stays for the backward. */
-                const struct ggml_tensor * pm = m->src[0];
-                const int32_t * ax = (const int32_t *) pm->op_params;
-                if (ax[0] == 1 && ax[1] == 2 && ax[2] == 0 && ax[3] == 3) {
-                    struct ggml_tensor * v = ggml_permute(ctx, pm->src[0], 0, 2, 1, 3);    /* [hd, T, n_kv] */
-                    if (rg_rank_expand_fits(v, node->src[1]) && v->ne[0] == node->ne[0]) {
-                        become(node, rg_rank_expand(ctx, v, node->src[1]));
-                        continue;
-                    }
+                struct ggml_tensor * v = ggml_permute(ctx, m->src[0]->src[0], 0, 2, 1, 3);    /* [hd, T, n_kv] */
+                if (rg_rank_expand_fits(v, node->src[1]) && v->ne[0] == node->ne[0]) {
+                    become(node, rg_rank_expand(ctx, v, node->src[1]));
+                    continue;
                 }
             }
-            if (m->op == GGML_OP_PERMUTE && strncmp(m->src[0]->name, "k_rope", 6) == 0 && ggml_is_contiguous(node->src[1])) {
+            if (permuted_as(m, 0, 2, 1, 3) && strncmp(m->src[0]->name, "k_rope", 6) == 0 &&
+                ggml_is_contiguous(node->src[1])) {
                 /* attention's scores K^T Q (graph.c: K permuted to [hd, T, n_kv], Q made contiguous):
                  * rank_expand over the head dimension on a copy of K with the tokens contiguous
                  * ([T, hd, n_kv], 0.2 MiB a layer on the default model). ggml's product ran at a
                  * third of rank_expand's rate on this shape (K = 64). */
-                const int32_t * ax = (const int32_t *) m->op_params;
-                if (ax[0] == 0 && ax[1] == 2 && ax[2] == 1 && ax[3] == 3) {
-                    struct ggml_tensor * kt = ggml_cont(ctx, ggml_transpose(ctx, m));     /* [T, hd, n_kv] */
-                    if (rg_rank_expand_fits(kt, node->src[1]) && kt->ne[0] == node->ne[0]) {
-                        become(node, rg_rank_expand(ctx, kt, node->src[1]));
-                        continue;
-                    }
+                struct ggml_tensor * kt = ggml_cont(ctx, ggml_transpose(ctx, m));     /* [T, hd, n_kv] */
+                if (rg_rank_expand_fits(kt, node->src[1]) && kt->ne[0] == node->ne[0]) {
+                    become(node, rg_rank_expand(ctx, kt, node->src[1]));
+                    continue;
                 }
             }
             if ((m->flags & GGML_TENSOR_FLAG_PARAM) && m->ne[0] < m->ne[1] && m->ne[0] <= RG_RANK_EXPAND_MAX) {

@@ -142,9 +142,8 @@ def load(state_dir: Path, trainable) -> dict:
     return meta["trainer"] | {"step": meta["step"]}
 
 
-# what a finished or interrupted run leaves in its run directory (beside config.json) and in its
-# checkpoint directory
-RUN_FILES = ("metrics.jsonl", "loss.png", "adapter.gguf", "merged.gguf")
+# what a finished or interrupted run leaves in its run directory and in its checkpoint directory
+RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "adapter.gguf", "merged.gguf")
 CHECKPOINT_GLOBS = ("step-*.state", "step-*.gguf", "best.state", "best.gguf", "latest")
 
 

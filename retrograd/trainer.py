@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -201,8 +200,6 @@ def train(ctx: RunContext, resume: Path | bool | None = None, on_step: StepCallb
         if moved is not None:
             ctx.notes.append(f"{ctx.out} held an earlier run: its metrics, adapter and checkpoints are now in {moved} "
                              "(--resume continues a run instead)")
-            if (ctx.out / "config.json").exists():
-                shutil.copy2(ctx.out / "config.json", moved / "config.json")
     atomic_write(ctx.out / "config.json", json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
     with workers_for(ctx):                  # [distributed]: Ray workers for the run's lifetime
         trainer = Trainer(ctx)

@@ -138,26 +138,30 @@ def rollouts(args) -> None:
     import json
     from pathlib import Path
 
+    from retrograd.config import load
     from retrograd.data.chat import format_for
-    from retrograd.generation.llama import Generator, SamplingParams
+    from retrograd.data.tokenizer import Tokenizer
+    from retrograd.generation.llama import Generator, SamplingParams, group_kv_cells
     from retrograd.generation.weights import generator_model
     from retrograd.models import default_model_path
 
+    example = Path(__file__).resolve().parent.parent / "examples" / "grpo-arith"
+    g = load(example / "config.toml").grpo
+    groups, size, new = g.prompts_per_step, g.group_size, g.max_new_tokens
     model = Path(args.model or default_model_path())
-    groups, size, new = 4, 8, 24
-    n_ctx = 80
-    cells = groups * n_ctx + groups * size * (new + 8)           # as GRPO sizes it (algorithms/rl.py)
     formats = ["native", *[w for w in args.weights.split(",") if w]]
+    records = [json.loads(line) for line in (example / "train.jsonl").open()]
+    tok = Tokenizer(model)
+    chat = format_for(tok)
+    prompts = [tok.encode(chat.render([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True))
+               for r in records]
+    n_ctx = max(len(p) for p in prompts) + new + 8                  # as GRPO sizes it (algorithms/rl.py)
+    cells = group_kv_cells(groups, n_ctx, groups * size, new)
     gens = {f: Generator(str(generator_model(model, f, args.threads)), n_ctx=n_ctx, n_seq=groups * size,
                          threads=args.threads, kv_cells=cells) for f in formats}
-    chat = format_for(gens["native"].tokenizer)
-    root = Path(__file__).resolve().parent.parent
-    records = [json.loads(line) for line in (root / "examples" / "grpo-arith" / "train.jsonl").open()]
-    prompts = [gens["native"].tokenizer.encode(chat.render([{"role": "user", "content": r["prompt"]}],
-                                                           add_generation_prompt=True)) for r in records]
 
-    def params(r: int, g: int) -> list:
-        return [SamplingParams(1.0, 1.0, 0, new, 1000 * r + 10 * g + i) for i in range(size)]
+    def params(r: int, k: int) -> list:
+        return [SamplingParams(g.temperature, g.top_p, g.top_k, new, 1000 * r + 10 * k + i) for i in range(size)]
 
     variants = {"one group at a time, native": ("native", False), "groups together, native": ("native", True)}
     variants.update({f"groups together, {f}": (f, True) for f in formats[1:]})
@@ -168,16 +172,16 @@ def rollouts(args) -> None:
             f, together = variants[name]
             t = time.perf_counter()
             if together:
-                outs = [o for grp in gens[f].generate_groups(ps, [params(r, g) for g in range(groups)]) for o in grp]
+                outs = [o for grp in gens[f].generate_groups(ps, [params(r, k) for k in range(groups)]) for o in grp]
             else:
-                outs = [o for g, p in enumerate(ps) for o in gens[f].generate(p, params(r, g))]
+                outs = [o for k, p in enumerate(ps) for o in gens[f].generate(p, params(r, k))]
             if r:
                 rates[name].append(sum(len(o.tokens) for o in outs) / (time.perf_counter() - t))
-    first = rates["one group at a time, native"]
+    base = rates["one group at a time, native"]
     print(f"grpo-arith rollouts ({groups} x {size}, <= {new} new tokens), {args.rounds} rounds; ratio: median of "
           "per-round ratios to one group at a time")
     for name, rs in rates.items():
-        ratio = statistics.median(a / b for a, b in zip(rs, first))
+        ratio = statistics.median(a / b for a, b in zip(rs, base))
         print(f"  {name:<32} {statistics.median(rs):7.1f} tokens/s  {ratio:.2f}x")
 
 

@@ -15,7 +15,7 @@ from retrograd.context import RunContext
 from retrograd.data.batching import ExampleStream, train_and_eval
 from retrograd.data.prompts import load_prompts
 from retrograd.eval.rewards import sample_rewards
-from retrograd.generation.llama import Generator, SamplingParams
+from retrograd.generation.llama import Generator, SamplingParams, group_kv_cells
 from retrograd.generation.weights import generator_model
 from retrograd.run_setup import config_dir, config_label
 
@@ -35,8 +35,7 @@ class RolloutRecipe:
         threads = run.trainable.info.n_threads
         make = run.generators or Generator      # with [distributed]: sampled on the workers
         n_ctx = self.context_size()
-        # a group's sequences share the prompt's cells: the prompts once, then every completion
-        cells = None if groups is None else groups * n_ctx + n_seq * (settings.max_new_tokens + 8)
+        cells = None if groups is None else group_kv_cells(groups, n_ctx, n_seq, settings.max_new_tokens)
         self.gen = make(generator_model(run.trainable.model_path, settings.generator_weights, threads),
                         n_ctx=n_ctx, n_seq=n_seq, threads=threads, device=cfg.model.device, kv_cells=cells)
         self.rollout_index = 0

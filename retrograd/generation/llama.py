@@ -92,6 +92,13 @@ def plain_llama(path: str | os.PathLike, *, extra_buffers: bool = True, **kw):
         lc.llama_model_default_params = orig
 
 
+def group_kv_cells(groups: int, n_ctx: int, n_seq: int, max_new_tokens: int) -> int:
+    """KV cells for n_seq sequences continuing `groups` prompts (generate_groups, or generate with one
+    prompt): a group's sequences share their prompt's cells, so the prompts once (each within n_ctx),
+    then every sequence's completion (and a few cells of slack each)."""
+    return groups * n_ctx + n_seq * (max_new_tokens + 8)
+
+
 class Generator:
     """A llama.cpp model and context for generation, with an adapter slot."""
 
