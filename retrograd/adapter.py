@@ -25,7 +25,7 @@ from retrograd.fsutil import atomic_write
 
 ALIGN = 32
 _T_UINT32, _T_FLOAT32, _T_STRING = 4, 6, 8
-_GGML_F32 = 0
+_GGML_F32, _GGML_F16 = 0, 1
 
 
 def _s(text: str) -> bytes:
@@ -38,7 +38,8 @@ KINDS = ("lora", "dora")
 
 def to_bytes(arch: str, alpha: float, tensors: dict[str, np.ndarray], name: str = "retrograd adapter",
              kind: str = "lora") -> bytes:
-    """GGUF bytes of a LoRA (or DoRA) adapter. tensors maps names to numpy arrays in (ne1, ne0) order."""
+    """GGUF bytes of a LoRA (or DoRA) adapter. tensors maps names to numpy arrays in (ne1, ne0) order,
+    written as F32 (float16 arrays as F16)."""
     kv = [
         ("general.architecture", _T_STRING, _s(arch)),
         ("general.type", _T_STRING, _s("adapter")),
@@ -54,10 +55,12 @@ def to_bytes(arch: str, alpha: float, tensors: dict[str, np.ndarray], name: str 
     offset = 0
     blobs = []
     for tname, arr in tensors.items():
-        a = np.ascontiguousarray(arr, dtype=np.float32)
+        # float16 arrays stay F16 (values that F16 holds exactly, like the split copy's block sums)
+        half = getattr(arr, "dtype", None) == np.float16
+        a = np.ascontiguousarray(arr, dtype=np.float16 if half else np.float32)
         dims = list(reversed(a.shape))          # GGUF lists ne0 first
         out.write(_s(tname) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims))
-        out.write(struct.pack("<IQ", _GGML_F32, offset))
+        out.write(struct.pack("<IQ", _GGML_F16 if half else _GGML_F32, offset))
         blobs.append(a)
         offset += (a.nbytes + ALIGN - 1) // ALIGN * ALIGN
     pad = (-out.tell()) % ALIGN

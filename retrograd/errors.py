@@ -25,6 +25,10 @@ class ConfigError(RetrogradError, ValueError):
     exit_code = 2
 
 
+class GenerationError(RetrogradError):
+    """llama.cpp could not load a model, make a context or take an adapter."""
+
+
 class UsageError(RetrogradError, ValueError):
     """A command-line flag is wrong or missing."""
 

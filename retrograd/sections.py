@@ -139,10 +139,11 @@ class RolloutSection:
     reward_errors: str = opt("raise", "a reward that fails: stop ('raise') or score 0 ('zero')", choices=("raise", "zero"))
     rewards: list = opt([], "reward functions with weights ([[grpo.rewards]] / [[ppo.rewards]] tables)", tables=True)
     eval_prompts: int = opt(32, "prompts scored at each evaluation (greedy, fixed)", min=1)
-    generator_weights: str = opt("native", "weights the rollout generator decodes with: the model file's own, or "
-                                 "a cached f16 / bf16 / q8_0 copy (faster batched decoding on CPUs, more "
-                                 "memory; bf16 needs AVX512-BF16 to be fast)",
-                                 choices=("native", "f16", "bf16", "q8_0"))
+    generator_weights: str = opt("auto", "weights the rollout generator decodes with: the model file's own "
+                                 "('native'); its Q4_1 weights split for llama.cpp's Q4_0 kernels, exactly "
+                                 "('split', cached); a cached f16 / bf16 / q8_0 copy (more memory; bf16 needs "
+                                 "AVX512-BF16 to be fast); 'auto': split for a Q4_1 model on the CPU, else native",
+                                 choices=("auto", "native", "split", "f16", "bf16", "q8_0"))
 
 
 @dataclass

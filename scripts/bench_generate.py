@@ -6,9 +6,11 @@ ratio to the model file's own weights measured in the same rounds.
 
 With --rollouts, the GRPO rollouts of examples/grpo-arith instead (4 prompts x 8 completions, at
 most 24 new tokens, temperature 1): the groups decoded one at a time from the model file's weights
-(how GRPO sampled when issue 12 was filed), all four together (how it samples now), and all four
-together from each --weights copy; the same prompts and seeds for every variant of a round, the
-order alternating, each given as a ratio to the first in the same rounds.
+(how GRPO sampled when issue 12 was filed), all four together from them, and all four together
+from each --weights generator format (split, bf16, ...; GRPO's default, "auto", is split for a Q4_1
+model); the same prompts and seeds for every variant of a round, the order alternating, each given
+as a ratio to the first in the same rounds. Every generator carries the example's LoRA adapter
+(small random values), as GRPO's does.
 
     python scripts/bench_generate.py [--model M] [--tokens 64] [--threads N] [--weights f16,bf16,q8_0]
     python scripts/bench_generate.py --rollouts [--rounds 6] [--weights bf16,q8_0] [--threads N]
@@ -159,6 +161,9 @@ def rollouts(args) -> None:
     cells = group_kv_cells(groups, n_ctx, groups * size, new)
     gens = {f: Generator(str(generator_model(model, f, args.threads)), n_ctx=n_ctx, n_seq=groups * size,
                          threads=args.threads, kv_cells=cells) for f in formats}
+    adapter = example_adapter(model, load(example / "config.toml").lora, args.threads)
+    for gen in gens.values():
+        gen.set_adapter(adapter)
 
     def params(r: int, k: int) -> list:
         return [SamplingParams(g.temperature, g.top_p, g.top_k, new, 1000 * r + 10 * k + i) for i in range(size)]
@@ -183,6 +188,20 @@ def rollouts(args) -> None:
     for name, rs in rates.items():
         ratio = statistics.median(a / b for a, b in zip(rs, base))
         print(f"  {name:<32} {statistics.median(rs):7.1f} tokens/s  {ratio:.2f}x")
+
+
+def example_adapter(model, lora, threads: int) -> bytes:
+    """An adapter of the example's [lora] shape with small random B (an untrained one is zero)."""
+    from retrograd.engine import LoraSpec, Trainable
+
+    tr = Trainable(model, LoraSpec(lora.rank, lora.alpha, targets=tuple(lora.targets)), threads=threads)
+    rng = np.random.default_rng(0)
+    for t in tr.lora.tensors:
+        if t.name.endswith("lora_b"):
+            tr.lora.write(t.index, rng.standard_normal(t.shape).astype(np.float32) * 1e-3)
+    data = tr.adapter_bytes()
+    tr.close()
+    return data
 
 
 if __name__ == "__main__":

@@ -125,6 +125,29 @@ def test_grpo_with_an_f16_generator(tiny, tmp_path, monkeypatch):
     assert generator_model(model, "native", THREADS) == model
 
 
+def test_grpo_samples_a_q4_1_model_from_its_split_copy_by_default(tiny, tmp_path, monkeypatch):
+    """generator_weights = "auto" (the default): a Q4_1 model's generator loads the split copy
+    (Q4_0 weights and their offsets as an adapter, written once into the cache) under the training
+    adapter, and samples what the trainer scores as closely as the file's own weights do."""
+    monkeypatch.setenv("RETROGRAD_CACHE", str(tmp_path / "cache"))
+    model = tiny("llama", n_layer=2, qtype="Q4_1")
+    gaps = {}
+    for weights in ("auto", "native"):
+        d = tmp_path / weights
+        d.mkdir()
+        cfg_path = make_run(d, model, steps=2)
+        if weights == "native":
+            cfg_path.write_text(cfg_path.read_text().replace("[grpo]\n", '[grpo]\ngenerator_weights = "native"\n'))
+        cfg = load(cfg_path)
+        train(open_model(cfg))
+        gaps[weights] = [r["logp_gap"] for r in metrics(d)]
+    assert cfg.grpo.generator_weights == "native" and load(tmp_path / "auto/run.toml").grpo.generator_weights == "auto"
+    copies = sorted(p.name for p in (tmp_path / "cache/models/generator").iterdir())
+    assert len(copies) == 2 and copies[0].endswith(".split.gguf") and copies[1].endswith(".split.offsets.gguf")
+    assert len(gaps["auto"]) == 2
+    assert max(gaps["auto"]) < 1.5 * max(gaps["native"]) + 0.01, gaps
+
+
 @pytest.mark.parametrize("iterations, stop", [(1, 2), (2, 3)])
 def test_grpo_resume_matches_uninterrupted(tiny, tmp_path, iterations, stop):
     model = tiny("qwen3", n_layer=2)

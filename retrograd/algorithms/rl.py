@@ -36,8 +36,9 @@ class RolloutRecipe:
         make = run.generators or Generator      # with [distributed]: sampled on the workers
         n_ctx = self.context_size()
         cells = None if groups is None else group_kv_cells(groups, n_ctx, n_seq, settings.max_new_tokens)
-        self.gen = make(generator_model(run.trainable.model_path, settings.generator_weights, threads),
-                        n_ctx=n_ctx, n_seq=n_seq, threads=threads, device=cfg.model.device, kv_cells=cells)
+        weights = generator_model(run.trainable.model_path, settings.generator_weights, threads,
+                                  on_cpu=run.trainable.model.device.kind == "cpu", dora=run.trainable.spec.dora)
+        self.gen = make(weights, n_ctx=n_ctx, n_seq=n_seq, threads=threads, device=cfg.model.device, kv_cells=cells)
         self.rollout_index = 0
 
     def context_size(self) -> int:

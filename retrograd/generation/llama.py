@@ -21,7 +21,8 @@ import numpy as np
 
 from retrograd import adapter as adapter_io
 from retrograd.data.tokenizer import Tokenizer, quiet_llama_logs
-from retrograd.errors import RetrogradError
+from retrograd.errors import GenerationError
+from retrograd.generation import split
 from retrograd.generation.sampling import SamplingParams, sample
 from retrograd.logs import log
 from retrograd.run_setup import resolve_threads
@@ -32,8 +33,6 @@ _libc.fmemopen.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _libc.fclose.argtypes = [ctypes.c_void_p]
 
 
-class GenerationError(RetrogradError):
-    """llama.cpp could not load a model, make a context or take an adapter."""
 
 
 @dataclass
@@ -125,12 +124,17 @@ class Generator:
         self._adapter = None
         self._merged: Path | None = None       # a DoRA adapter's merged model, when loaded instead
         self._open(self.path)
+        self._split = self._offsets is not None
 
     def _open(self, path: Path) -> None:
         """Load `path`'s weights with a fresh context (the tokenizer stays: a merged model has the same)."""
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = self._gpu_layers
         mp.use_extra_bufts = extra_buffers_safe()
+        # a split copy's weights are mostly repacked into buffers of llama.cpp's own: read, not mapped,
+        # or the mapping's pages would stay resident beside the repacked copies
+        if split.is_split(path):
+            mp.load_mode = lc.LLAMA_LOAD_MODE_NONE
         self._model = lc.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
             raise GenerationError(f"{path}: llama.cpp could not load the model")
@@ -154,6 +158,9 @@ class Generator:
         self._cache: list[int] = []    # tokens in sequence 0's KV cache, for prefix reuse
         # freed in this order when close() is called or the generator is collected (never twice)
         self._free = weakref.finalize(self, _free_llama, self._batch, self._ctx, self._model)
+        # the split copy's block offsets (split.py): part of the weights, under every adapter swapped in
+        self._offsets = split.load_offsets(self._model, path)
+        self._apply(None)
 
     def _reopen(self, path: Path) -> None:
         self._free()
@@ -168,6 +175,9 @@ class Generator:
         if data is not None and adapter_io.kind_of(data) == "dora":
             from retrograd.generation.merge import merged_model
 
+            if self._split:
+                raise GenerationError(f"{self.path}: a split generator copy cannot apply a DoRA adapter "
+                                      '(set generator_weights = "native")')
             merged = merged_model(self.path, data)
             if old is not None:
                 lc.llama_set_adapters_lora(self._ctx, None, 0, None)
@@ -189,7 +199,7 @@ class Generator:
             old = None                    # freed with the merged model's context
         # the old adapter goes first, so that two adapters never sit in memory together (GRPO swaps
         # one every step, and the swap was the step's peak resident memory)
-        lc.llama_set_adapters_lora(self._ctx, None, 0, None)
+        self._apply(None)
         self._adapter = None
         self._cache = []               # cached keys/values were computed with other weights
         if old is not None:
@@ -206,12 +216,18 @@ class Generator:
                 _libc.fclose(fp)
             if not ad:
                 raise GenerationError("llama.cpp rejected the adapter (is it for this model?)")
-            arr = (lc.llama_adapter_lora_p_ctypes * 1)(ad)
-            scales = (ctypes.c_float * 1)(scale)
-            if lc.llama_set_adapters_lora(self._ctx, arr, 1, scales) != 0:
+            if not self._apply(ad, scale):
+                self._apply(None)
                 lc.llama_adapter_lora_free(ad)
                 raise GenerationError("llama.cpp could not apply the adapter")
             self._adapter = ad
+
+    def _apply(self, ad, scale: float = 1.0) -> bool:
+        """Give the context `ad` (None: no adapter) and the split copy's offsets, if any."""
+        pairs = [(a, s) for a, s in ((self._offsets, 1.0), (ad, scale)) if a is not None]
+        arr = (lc.llama_adapter_lora_p_ctypes * max(1, len(pairs)))(*(a for a, _ in pairs))
+        scales = (ctypes.c_float * max(1, len(pairs)))(*(s for _, s in pairs))
+        return lc.llama_set_adapters_lora(self._ctx, arr if pairs else None, len(pairs), scales if pairs else None) == 0
 
     def load_adapter(self, path: str | os.PathLike) -> None:
         self.set_adapter(Path(path).read_bytes())
@@ -247,8 +263,11 @@ class Generator:
     def _logits(self, i: int) -> np.ndarray:
         return np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, i), shape=(self.n_vocab,)).copy()
 
-    def _all_logits(self, n: int) -> np.ndarray:
-        return np.ctypeslib.as_array(lc.llama_get_logits(self._ctx), shape=(n, self.n_vocab)).copy()
+    def _step_logits(self, n: int) -> np.ndarray:
+        """The last decode's n rows of logits, in llama.cpp's buffer: valid until the next decode.
+        Not copied: a batch's rows are megabytes, and with the mmap threshold memory.py sets each
+        copy would be a fresh mapping, faulted in page by page every step."""
+        return np.ctypeslib.as_array(lc.llama_get_logits(self._ctx), shape=(n, self.n_vocab))
 
     def _prefill(self, prompt: Sequence[int], n_seq: int) -> np.ndarray:
         """Put the prompt in sequence 0 (reusing the cached prefix) and share it with 1..n_seq-1."""
@@ -397,7 +416,7 @@ class Generator:
             if not step_tokens:
                 break
             self._decode(step_tokens, step_pos, step_seqs, [True] * len(step_tokens))
-            rows = self._all_logits(len(step_seqs))
+            rows = self._step_logits(len(step_seqs))      # sampled from before the next decode
             logits = {s: rows[i] for i, s in enumerate(step_seqs)}
             for s in step_seqs:
                 pos[s] += 1

@@ -28,7 +28,7 @@ import numpy as np
 from retrograd import adapter as adapter_io
 from retrograd import native
 from retrograd.errors import RetrogradError
-from retrograd.fsutil import atomic_path
+from retrograd.generation.rewrite import rewrite
 from retrograd.logs import log
 from retrograd.models import cache_dir
 
@@ -86,43 +86,22 @@ def write_merged(base: Path, ad: adapter_io.AdapterFile, out: Path, fmt: str = F
         return _F16 if kind == _Q8_0 and int(t.shape[0]) % 32 else kind    # rows that do not fill Q8_0's blocks
 
     report = MergeReport()
-    with atomic_path(out) as tmp:
-        # streamed: tensor infos first, then each merged weight computed, written and dropped, so
-        # memory holds one weight at a time whatever the model's size
-        writer = gguf.GGUFWriter(str(tmp), arch)
-        for key, f in reader.fields.items():
-            if key.startswith("GGUF.") or key == "general.architecture":
-                continue
-            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
-        for t in reader.tensors:
-            if t.name in names:
-                n_out, n_in, kind = int(t.shape[1]), int(t.shape[0]), kind_of(t)
-                nbytes = native.rows_bytes(kind, n_out, n_in)
-                writer.add_tensor_info(t.name, (n_out, nbytes // n_out), np.dtype(np.uint8), nbytes,
-                                       raw_dtype=gguf.GGMLQuantizationType(kind))
-            else:
-                writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for t in reader.tensors:
-            if t.name not in names:
-                writer.write_tensor_data(t.data)
-                continue
-            n_out, n_in, kind = int(t.shape[1]), int(t.shape[0]), kind_of(t)
-            w = native.dequantize_rows(int(t.tensor_type), t.data, n_out, n_in)
-            new = merged_weight(w, ad.tensors[t.name + ".lora_a"], ad.tensors[t.name + ".lora_b"],
-                                ad.tensors[t.name + ".dora_m"], ad.scale)
-            raw = native.quantize_rows(kind, new.astype(np.float32))
-            writer.write_tensor_data(raw)
-            back = native.dequantize_rows(kind, raw, n_out, n_in).astype(np.float64)
-            change = new - w
-            report.tensors += 1
-            report.change_sq += float(np.sum(change * change))
-            report.error_sq += float(np.sum((back - new) ** 2))
-            report.kept_dot += float(np.sum((back - w) * change))
-        writer.close()
+
+    def merged(t) -> np.ndarray:
+        n_out, n_in, kind = int(t.shape[1]), int(t.shape[0]), kind_of(t)
+        w = native.dequantize_rows(int(t.tensor_type), t.data, n_out, n_in)
+        new = merged_weight(w, ad.tensors[t.name + ".lora_a"], ad.tensors[t.name + ".lora_b"],
+                            ad.tensors[t.name + ".dora_m"], ad.scale)
+        raw = native.quantize_rows(kind, new.astype(np.float32))
+        back = native.dequantize_rows(kind, raw, n_out, n_in).astype(np.float64)
+        change = new - w
+        report.tensors += 1
+        report.change_sq += float(np.sum(change * change))
+        report.error_sq += float(np.sum((back - new) ** 2))
+        report.kept_dot += float(np.sum((back - w) * change))
+        return raw
+
+    rewrite(reader, out, {t.name: (kind_of(t), merged) for t in reader.tensors if t.name in names})
     return report
 
 

@@ -1,0 +1,119 @@
+"""The generator's split weights (retrograd/generation/split.py): a Q4_1 model's block weights as
+Q4_0 plus an adapter of their offsets, which together are the file's own weights, and what "auto"
+picks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import THREADS
+
+from retrograd import native
+from retrograd.engine import LoraSpec, Trainable
+from retrograd.errors import RetrogradError
+from retrograd.generation import split
+from retrograd.generation.llama import GenerationError, Generator
+from retrograd.generation.weights import generator_model, resolve
+
+
+def _tensors(path):
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    return r, {t.name: t for t in r.tensors}
+
+
+def test_the_split_copy_and_its_offsets_are_the_q4_1_weights(tiny, tmp_path):
+    src = tiny("llama", n_layer=2, qtype="Q4_1", n_ff=96)
+    out = tmp_path / "m.split.gguf"
+    split.write_split(src, out)
+    r_src, before = _tensors(src)
+    r_out, after = _tensors(out)
+    _, offs = _tensors(split.offsets_path(out))
+    assert r_out.fields[split.OFFSETS_KEY].contents() == split.offsets_path(out).name
+    names = split.split_names(r_src)
+    assert len(names) == 2 * 7
+    for name, t in before.items():
+        if name not in names:       # embeddings, norms: byte for byte
+            assert after[name].tensor_type == t.tensor_type and bytes(after[name].data) == bytes(t.data), name
+            continue
+        n_in, n_out = int(t.shape[0]), int(t.shape[1])
+        assert int(after[name].tensor_type) == 2                                  # Q4_0
+        want = native.dequantize_rows(3, np.asarray(t.data), n_out, n_in)        # Q4_1, as the trainer reads it
+        q4_0 = native.dequantize_rows(2, np.asarray(after[name].data), n_out, n_in)
+        a = np.asarray(offs[name + ".lora_a"].data, np.float32).reshape(-1, n_in)          # [r, n_in]
+        b = np.asarray(offs[name + ".lora_b"].data, np.float32).reshape(n_out, -1)         # [n_out, r]
+        assert a.shape[0] % 16 == 0 and a.shape[0] >= n_in // 32
+        np.testing.assert_allclose(q4_0 + b @ a, want, rtol=0, atol=1e-6 * np.abs(want).max())
+        assert np.abs(q4_0 - want).max() > 0.01          # the offsets are needed: Q4_0 alone is not it
+
+
+def _next_token_logprobs(gen: Generator, toks: list[int]) -> np.ndarray:
+    import llama_cpp.llama_cpp as lc
+
+    lc.llama_memory_seq_rm(gen._mem, -1, -1, -1)
+    gen._cache = []
+    gen._decode(toks, range(len(toks)), [0] * len(toks), [True] * len(toks))
+    x = gen._step_logits(len(toks)).astype(np.float64)
+    x -= x.max(1, keepdims=True)
+    x -= np.log(np.exp(x).sum(1, keepdims=True))
+    return x[np.arange(len(toks) - 1), toks[1:]]
+
+
+def _compare(model, tmp_path, monkeypatch) -> tuple[float, float, float]:
+    """Mean |log-prob difference| to the trainer of the file's own generator, the split one, and
+    the split copy without its offsets; the adapter a trained one (non-zero B)."""
+    monkeypatch.setenv("RETROGRAD_CACHE", str(tmp_path / "cache"))
+    tr = Trainable(model, LoraSpec(8, 16.0), threads=THREADS)
+    rng = np.random.default_rng(0)
+    for t in tr.lora.tensors:
+        if t.name.endswith("lora_b"):
+            tr.lora.write(t.index, rng.standard_normal(t.shape).astype(np.float32) * 0.02)
+    own = Generator(model, n_ctx=256, threads=THREADS)
+    copy = generator_model(model, "auto", THREADS)
+    assert copy.name.endswith(".split.gguf")
+    cut = Generator(copy, n_ctx=256, threads=THREADS)
+    toks = own.tokenizer.encode("The quick brown fox jumps over the lazy dog; " * 6)[:200]
+    ours = tr.logprobs(native.Batch.next_token(np.array(toks, np.int32))).logp
+    own.set_adapter(tr.adapter_bytes())
+    cut.set_adapter(tr.adapter_bytes())
+    gaps = [np.abs(_next_token_logprobs(own, toks) - ours).mean(), np.abs(_next_token_logprobs(cut, toks) - ours).mean()]
+    cut._offsets = None                 # the Q4_0 weights alone, under the same adapter
+    cut._apply(cut._adapter)
+    gaps.append(np.abs(_next_token_logprobs(cut, toks) - ours).mean())
+    return tuple(float(g) for g in gaps)
+
+
+def test_the_split_generator_scores_as_the_files_own_does(tiny, tmp_path, monkeypatch):
+    own, cut, bare = _compare(tiny("llama", n_layer=2, qtype="Q4_1", n_ff=96), tmp_path, monkeypatch)
+    assert cut < 1.5 * own + 0.005, (own, cut)
+    assert bare > 5 * cut, (bare, cut)
+
+
+def test_the_split_generator_scores_smollm_as_the_files_own_does(smollm, tmp_path, monkeypatch):
+    """On the default model the two differ by how their products round the activations (the file's
+    own kernels round each block's sum of inputs too): as close to the trainer either way."""
+    own, cut, bare = _compare(smollm, tmp_path, monkeypatch)
+    assert cut < 1.5 * own, (own, cut)
+    assert bare > 1.0, bare
+
+
+def test_a_split_copy_without_its_offsets_is_refused(tiny, tmp_path):
+    out = tmp_path / "m.split.gguf"
+    split.write_split(tiny("llama", n_layer=1, qtype="Q4_1"), out)
+    split.offsets_path(out).unlink()
+    with pytest.raises(GenerationError, match="offsets adapter"):
+        Generator(out, n_ctx=64, threads=THREADS)
+
+
+def test_auto_splits_q4_1_models_on_the_cpu(tiny):
+    q41, f32 = tiny("llama", n_layer=1, qtype="Q4_1"), tiny("llama", n_layer=1)
+    assert resolve(q41, "auto") == "split"
+    assert resolve(f32, "auto") == "native"
+    assert resolve(q41, "auto", on_cpu=False) == "native"
+    assert resolve(q41, "auto", dora=True) == "native"       # the generator loads a merged model then
+    assert resolve(q41, "bf16") == "bf16"
+    with pytest.raises(RetrogradError, match="DoRA"):
+        resolve(q41, "split", dora=True)
+    with pytest.raises(RetrogradError, match="no Q4_1 block weights"):
+        split.write_split(f32, f32.with_name("x.split.gguf"))
