@@ -36,10 +36,10 @@ def _s(text: str) -> bytes:
 KINDS = ("lora", "dora")
 
 
-def to_bytes(arch: str, alpha: float, tensors: dict[str, np.ndarray], name: str = "retrograd adapter",
-             kind: str = "lora") -> bytes:
-    """GGUF bytes of a LoRA (or DoRA) adapter. tensors maps names to numpy arrays in (ne1, ne0) order,
-    written as F32 (float16 arrays as F16)."""
+def header(arch: str, alpha: float, infos: list[tuple[str, tuple[int, ...], bool]], name: str = "retrograd adapter",
+           kind: str = "lora") -> tuple[bytes, list[int]]:
+    """An adapter GGUF's bytes up to its tensor data, and each tensor's data offset from there.
+    infos: (name, shape in (ne1, ne0) order, F16 or not: F32) of each tensor, in file order."""
     kv = [
         ("general.architecture", _T_STRING, _s(arch)),
         ("general.type", _T_STRING, _s("adapter")),
@@ -49,26 +49,95 @@ def to_bytes(arch: str, alpha: float, tensors: dict[str, np.ndarray], name: str 
         ("general.alignment", _T_UINT32, struct.pack("<I", ALIGN)),
     ]
     out = io.BytesIO()
-    out.write(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)))
+    out.write(b"GGUF" + struct.pack("<IQQ", 3, len(infos), len(kv)))
     for key, typ, val in kv:
         out.write(_s(key) + struct.pack("<I", typ) + val)
-    offset = 0
-    blobs = []
-    for tname, arr in tensors.items():
-        # float16 arrays stay F16 (values that F16 holds exactly, like the split copy's block sums)
-        half = getattr(arr, "dtype", None) == np.float16
-        a = np.ascontiguousarray(arr, dtype=np.float16 if half else np.float32)
-        dims = list(reversed(a.shape))          # GGUF lists ne0 first
+    offset, offsets = 0, []
+    for tname, shape, half in infos:
+        dims = list(reversed(shape))          # GGUF lists ne0 first
         out.write(_s(tname) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims))
         out.write(struct.pack("<IQ", _GGML_F16 if half else _GGML_F32, offset))
-        blobs.append(a)
-        offset += (a.nbytes + ALIGN - 1) // ALIGN * ALIGN
-    pad = (-out.tell()) % ALIGN
-    out.write(b"\0" * pad)
-    for a in blobs:
+        offsets.append(offset)
+        offset += (int(np.prod(shape)) * (2 if half else 4) + ALIGN - 1) // ALIGN * ALIGN
+    out.write(b"\0" * ((-out.tell()) % ALIGN))
+    return out.getvalue(), offsets
+
+
+def to_bytes(arch: str, alpha: float, tensors: dict[str, np.ndarray], name: str = "retrograd adapter",
+             kind: str = "lora") -> bytes:
+    """GGUF bytes of a LoRA (or DoRA) adapter. tensors maps names to numpy arrays in (ne1, ne0) order,
+    written as F32 (float16 arrays as F16)."""
+    # float16 arrays stay F16 (values that F16 holds exactly, like the split copy's block sums)
+    arrays = [np.ascontiguousarray(a, dtype=np.float16 if getattr(a, "dtype", None) == np.float16 else np.float32)
+              for a in tensors.values()]
+    head, _ = header(arch, alpha, [(n, a.shape, a.dtype == np.float16) for n, a in zip(tensors, arrays)], name, kind)
+    out = io.BytesIO()
+    out.write(head)
+    for a in arrays:
         out.write(a.tobytes())
         out.write(b"\0" * ((-a.nbytes) % ALIGN))
     return out.getvalue()
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+class _Cursor:
+    """Reads GGUF's little-endian values from bytes, front to back."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos = data, 0
+
+    def take(self, fmt: str):
+        vals = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return vals[0] if len(vals) == 1 else vals
+
+    def string(self) -> str:
+        n = self.take("<Q")
+        self.pos += n
+        return bytes(self.data[self.pos - n:self.pos]).decode()
+
+    def value(self, typ: int):
+        if typ == _T_STRING:
+            return self.string()
+        if typ == 9:                                   # array: item type, count, items
+            item, n = self.take("<I"), self.take("<Q")
+            return [self.value(item) for _ in range(n)]
+        return self.take(_SCALARS[typ])
+
+
+def parse(data: bytes) -> AdapterFile:
+    """An adapter from GGUF bytes (F32 and F16 tensors), its arrays views into `data`, not copies:
+    the generator reads the training adapter this way on every swap (generation/joint.py)."""
+    if bytes(data[:4]) != b"GGUF":
+        raise AdapterError("adapter bytes are not GGUF")
+    cur = _Cursor(data)
+    cur.pos = 4
+    _, n_tensors, n_kv = cur.take("<IQQ")
+    fields = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        fields[key] = cur.value(cur.take("<I"))
+    infos = []
+    for _ in range(n_tensors):
+        tname = cur.string()
+        n_dims = cur.take("<I")
+        dims = struct.unpack_from(f"<{n_dims}Q", data, cur.pos)
+        cur.pos += 8 * n_dims
+        typ, off = cur.take("<IQ")
+        if typ not in (_GGML_F32, _GGML_F16):
+            raise AdapterError(f"adapter tensor {tname}: ggml type {typ}, expected F32 or F16")
+        infos.append((tname, tuple(reversed(dims)), typ, off))
+    align = int(fields.get("general.alignment", ALIGN))
+    base = (cur.pos + align - 1) // align * align
+    tensors = {}
+    for tname, shape, typ, off in infos:
+        dt = np.float16 if typ == _GGML_F16 else np.float32
+        tensors[tname] = np.frombuffer(data, dt, int(np.prod(shape)), base + off).reshape(shape)
+    ranks = {a.shape[0] for n, a in tensors.items() if n.endswith(".lora_a")}
+    return AdapterFile(str(fields.get("general.architecture")), float(fields.get("adapter.lora.alpha") or 0.0),
+                       min(ranks, default=0), tensors, str(fields.get("adapter.type", "lora")))
 
 
 def write(path: Path, data: bytes) -> None:

@@ -23,6 +23,7 @@ from retrograd import adapter as adapter_io
 from retrograd.data.tokenizer import Tokenizer, quiet_llama_logs
 from retrograd.errors import GenerationError
 from retrograd.generation import split
+from retrograd.generation.joint import JointAdapter
 from retrograd.generation.sampling import SamplingParams, sample
 from retrograd.logs import log
 from retrograd.run_setup import resolve_threads
@@ -123,8 +124,9 @@ class Generator:
         self._gpu_layers = 0 if device == "cpu" else 999
         self._adapter = None
         self._merged: Path | None = None       # a DoRA adapter's merged model, when loaded instead
+        self._trained = False                  # whether a training adapter is in
         self._open(self.path)
-        self._split = self._offsets is not None
+        self._split = self._joint is not None
 
     def _open(self, path: Path) -> None:
         """Load `path`'s weights with a fresh context (the tokenizer stays: a merged model has the same)."""
@@ -158,9 +160,12 @@ class Generator:
         self._cache: list[int] = []    # tokens in sequence 0's KV cache, for prefix reuse
         # freed in this order when close() is called or the generator is collected (never twice)
         self._free = weakref.finalize(self, _free_llama, self._batch, self._ctx, self._model)
-        # the split copy's block offsets (split.py): part of the weights, under every adapter swapped in
-        self._offsets = split.load_offsets(self._model, path)
-        self._apply(None)
+        # a split copy's block offsets (split.py) are part of its weights: joined to every adapter
+        # swapped in, and alone until one is (joint.py)
+        self._joint = JointAdapter.of(path) if split.marked(self._model) else None
+        if self._joint is not None:
+            self._adapter = self._joint.load(self._model, None)
+            self._apply(self._adapter)
 
     def _reopen(self, path: Path) -> None:
         self._free()
@@ -204,7 +209,20 @@ class Generator:
         self._cache = []               # cached keys/values were computed with other weights
         if old is not None:
             lc.llama_adapter_lora_free(old)
-        if data is not None:
+        self._trained = data is not None
+        if self._joint is not None:
+            try:
+                ad = self._joint.load(self._model, data, scale)
+            except GenerationError:
+                # never decode the split weights without their offsets
+                self._adapter, self._trained = self._joint.load(self._model, None), False
+                self._apply(self._adapter)
+                raise
+            if not self._apply(ad):
+                lc.llama_adapter_lora_free(ad)
+                raise GenerationError("llama.cpp could not apply the adapter")
+            self._adapter = ad
+        elif data is not None:
             # llama.cpp reads the bytes in place ("rb": fmemopen never writes), no copy of the adapter
             data = data if isinstance(data, bytes) else bytes(data)
             fp = _libc.fmemopen(data, len(data), b"rb")
@@ -223,18 +241,18 @@ class Generator:
             self._adapter = ad
 
     def _apply(self, ad, scale: float = 1.0) -> bool:
-        """Give the context `ad` (None: no adapter) and the split copy's offsets, if any."""
-        pairs = [(a, s) for a, s in ((self._offsets, 1.0), (ad, scale)) if a is not None]
-        arr = (lc.llama_adapter_lora_p_ctypes * max(1, len(pairs)))(*(a for a, _ in pairs))
-        scales = (ctypes.c_float * max(1, len(pairs)))(*(s for _, s in pairs))
-        return lc.llama_set_adapters_lora(self._ctx, arr if pairs else None, len(pairs), scales if pairs else None) == 0
+        """Give the context the adapter `ad` (None: none)."""
+        if ad is None:
+            return lc.llama_set_adapters_lora(self._ctx, None, 0, None) == 0
+        arr = (lc.llama_adapter_lora_p_ctypes * 1)(ad)
+        return lc.llama_set_adapters_lora(self._ctx, arr, 1, (ctypes.c_float * 1)(scale)) == 0
 
     def load_adapter(self, path: str | os.PathLike) -> None:
         self.set_adapter(Path(path).read_bytes())
 
     @property
     def has_adapter(self) -> bool:
-        return self._adapter is not None or self._merged is not None
+        return self._trained or self._merged is not None
 
     # ---- decoding ----------------------------------------------------------------------------
     def _decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],

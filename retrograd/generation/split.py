@@ -28,14 +28,14 @@ from pathlib import Path
 import numpy as np
 
 from retrograd import adapter as adapter_io
-from retrograd.errors import GenerationError, RetrogradError
+from retrograd.errors import RetrogradError
 from retrograd.generation.rewrite import rewrite
 
 OFFSETS_KEY = "retrograd.split.offsets"     # the copy's metadata: the file name of its offsets adapter
 TARGETS = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
 _Q4_0, _Q4_1 = 2, 3                          # ggml type numbers
-_BLOCK = 32
-_RANK_STEP = 16     # llamafile's GEMM takes inner sizes in multiples of 16 (AVX-512) or 8; else ggml's slow dot
+BLOCK = 32
+RANK_STEP = 16     # llamafile's GEMM takes inner sizes in multiples of 16 (AVX-512) or 8; else ggml's slow dot
 
 
 def _reader(path: Path):
@@ -82,12 +82,12 @@ def offsets(t) -> tuple[np.ndarray, np.ndarray]:
     being n_in/32 rounded up to a multiple of 16 (the padding is zeros)."""
     n_in, n_out = int(t.shape[0]), int(t.shape[1])
     b = _blocks(t)
-    d = b[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(n_out, n_in // _BLOCK)
-    m = b[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(n_out, n_in // _BLOCK)
-    blocks = n_in // _BLOCK
-    rank = -(-blocks // _RANK_STEP) * _RANK_STEP
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(n_out, n_in // BLOCK)
+    m = b[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(n_out, n_in // BLOCK)
+    blocks = n_in // BLOCK
+    rank = -(-blocks // RANK_STEP) * RANK_STEP
     a = np.zeros((rank, n_in), np.float16)
-    a[np.arange(n_in) // _BLOCK, np.arange(n_in)] = 1.0
+    a[np.arange(n_in) // BLOCK, np.arange(n_in)] = 1.0
     lb = np.zeros((n_out, rank), np.float32)
     lb[:, :blocks] = m + 8.0 * d
     return a, lb
@@ -112,18 +112,9 @@ def write_split(src: Path, out: Path) -> None:
     rewrite(reader, out, {n: (_Q4_0, as_q4_0) for n in names}, extra={OFFSETS_KEY: side.name})
 
 
-def load_offsets(model, path: Path):
-    """The offsets adapter of a split copy (llama.cpp's model handle and the copy's path; its
-    metadata names the file beside it), loaded; None for any other model. A split copy without it
-    fails: its weights would be off by the offsets."""
+def marked(model) -> bool:
+    """Whether llama.cpp's loaded model is a split copy (its metadata names the offsets adapter)."""
     import llama_cpp.llama_cpp as lc
 
     buf = ctypes.create_string_buffer(512)
-    if lc.llama_model_meta_val_str(model, OFFSETS_KEY.encode(), buf, len(buf)) < 0:
-        return None
-    side = path.parent / buf.value.decode()
-    ad = lc.llama_adapter_lora_init(model, str(side).encode()) if side.exists() else None
-    if not ad:
-        raise GenerationError(f"{path}: a split generator copy whose offsets adapter {side} is missing or "
-                              "unreadable (delete the copy; it is written again)")
-    return ad
+    return lc.llama_model_meta_val_str(model, OFFSETS_KEY.encode(), buf, len(buf)) >= 0

@@ -33,17 +33,22 @@ from retrograd.models import cache_dir
 # llama.cpp's llama_ftype values
 FORMATS = {"f16": 1, "bf16": 32, "q8_0": 7}
 CHOICES = ("auto", "native", "split", *FORMATS)
+# "auto" splits model files up to this size: the joint adapter the split copy decodes with
+# (joint.py) holds a float for each weight row and block of 32 (plus padding), a third to a half of
+# the file's size in memory, which a small model's rollouts repay and a 7B model's memory may not
+AUTO_SPLIT_MAX = 1 << 30
 
 
 def resolve(path: Path, weights: str, *, on_cpu: bool = True, dora: bool = False) -> str:
-    """The format "auto" stands for: "split" for a model with Q4_1 block weights decoded on the CPU
-    (a DoRA adapter makes the generator load a merged model instead, so not then), else "native"."""
+    """The format "auto" stands for: "split" for a model of at most AUTO_SPLIT_MAX with Q4_1 block
+    weights decoded on the CPU (a DoRA adapter makes the generator load a merged model instead, so
+    not then), else "native"."""
     if weights == "split" and dora:
         raise RetrogradError('generator_weights = "split" cannot apply a DoRA adapter (the generator loads '
                              'the model merged with it); use "auto" or "native"')
     if weights != "auto":
         return weights
-    if not on_cpu or dora or not split.can_split(path):
+    if not on_cpu or dora or path.stat().st_size > AUTO_SPLIT_MAX or not split.can_split(path):
         return "native"
     where = cache_dir()
     while not where.exists():
