@@ -179,3 +179,20 @@ def test_the_joint_adapter_is_the_offsets_and_the_training_adapter(tiny, tmp_pat
     # random model's large logits amplify; the training adapter's own effect is far larger
     gap, effect = np.abs(a - b).mean(), np.abs(c - a).mean()
     assert gap < 0.02 and gap < 0.05 * effect, (gap, effect)
+
+
+def test_a_rejected_adapter_leaves_the_split_generator_with_its_offsets(tiny, tmp_path):
+    from retrograd import adapter as adapter_io
+
+    model = tiny("llama", n_layer=2, qtype="Q4_1", n_ff=96)
+    copy = tmp_path / "m.split.gguf"
+    split.write_split(model, copy)
+    gen = Generator(copy, n_ctx=128, threads=THREADS)
+    toks = gen.tokenizer.encode("The quick brown fox jumps over the lazy dog; " * 2)[:60]
+    before = _next_token_logprobs(gen, toks)
+    wrong = adapter_io.to_bytes("llama", 8.0, {"blk.0.attn_q.weight.lora_a": np.ones((4, 32), np.float32),
+                                                "blk.0.attn_q.weight.lora_b": np.ones((64, 4), np.float32)})
+    with pytest.raises(GenerationError):
+        gen.set_adapter(wrong)
+    assert not gen.has_adapter
+    np.testing.assert_allclose(_next_token_logprobs(gen, toks), before, atol=1e-5)

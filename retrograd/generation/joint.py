@@ -70,7 +70,7 @@ class JointAdapter:
         """(tensor name, shape, F16?, a function giving its bytes) of the joint adapter, in file order."""
         tensors = {} if training is None else training.tensors
         trained = [n.removesuffix(".lora_a") for n in tensors if n.endswith(".lora_a")]
-        s = scale * (training.alpha / training.rank if training.alpha else 1.0) if training is not None else 1.0
+        alpha = training.alpha if training is not None else 0.0
         pieces = []
         for w in [*self.offsets, *(n for n in trained if n not in self.offsets)]:
             c = self.offsets.get(w)
@@ -80,6 +80,7 @@ class JointAdapter:
             n_in = a_t.shape[1] if a_t is not None else blocks * BLOCK
             n_out = b_t.shape[0] if b_t is not None else c.shape[0]
             rank = -(-(r + blocks) // RANK_STEP) * RANK_STEP
+            s = scale * (alpha / r if alpha and r else 1.0)        # llama.cpp's scale: alpha / the weight's rank
 
             def a_bytes(a_t=a_t, r=r, blocks=blocks, rank=rank, n_in=n_in) -> bytes:
                 a = np.zeros((rank, n_in), np.float16)
@@ -89,7 +90,7 @@ class JointAdapter:
                     a[r + np.arange(n_in) // BLOCK, np.arange(n_in)] = 1.0
                 return a.tobytes()
 
-            def b_bytes(b_t=b_t, c=c, r=r, blocks=blocks, rank=rank, n_out=n_out) -> bytes:
+            def b_bytes(b_t=b_t, c=c, r=r, blocks=blocks, rank=rank, n_out=n_out, s=s) -> bytes:
                 b = np.zeros((n_out, rank), np.float32)
                 if b_t is not None:
                     b[:, :r] = b_t * s
@@ -121,6 +122,8 @@ class JointAdapter:
             _libc.fclose(fp)
             stream.release()
         if stream.error is not None:
+            if ad:
+                lc.llama_adapter_lora_free(ad)
             raise stream.error
         if not ad:
             raise GenerationError("llama.cpp rejected the adapter (is it for this model?)")

@@ -209,19 +209,19 @@ class Generator:
         self._cache = []               # cached keys/values were computed with other weights
         if old is not None:
             lc.llama_adapter_lora_free(old)
-        self._trained = data is not None
+        self._trained = False
         if self._joint is not None:
             try:
                 ad = self._joint.load(self._model, data, scale)
             except GenerationError:
                 # never decode the split weights without their offsets
-                self._adapter, self._trained = self._joint.load(self._model, None), False
+                self._adapter = self._joint.load(self._model, None)
                 self._apply(self._adapter)
                 raise
             if not self._apply(ad):
                 lc.llama_adapter_lora_free(ad)
                 raise GenerationError("llama.cpp could not apply the adapter")
-            self._adapter = ad
+            self._adapter, self._trained = ad, data is not None
         elif data is not None:
             # llama.cpp reads the bytes in place ("rb": fmemopen never writes), no copy of the adapter
             data = data if isinstance(data, bytes) else bytes(data)
@@ -238,7 +238,7 @@ class Generator:
                 self._apply(None)
                 lc.llama_adapter_lora_free(ad)
                 raise GenerationError("llama.cpp could not apply the adapter")
-            self._adapter = ad
+            self._adapter, self._trained = ad, True
 
     def _apply(self, ad, scale: float = 1.0) -> bool:
         """Give the context the adapter `ad` (None: none)."""
