@@ -124,7 +124,13 @@ def test_management_api_never_fails_badly(fuzzed, body, run, action):
 
 def test_still_answering_after_the_fuzz(fuzzed):
     srv, run_id = fuzzed
-    assert SEEN[200] >= 5 and SEEN[400] >= 5 and SEEN[404] >= 1, SEEN
+    # the fuzz must have reached real completions and refusals; whether it also drew an unknown model
+    # is up to hypothesis's draws (a clean-clone run drew none), so that one is asked for here
+    assert SEEN[200] >= 5 and SEEN[400] >= 5, SEEN
+    status, answer = srv.call("POST", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user",
+                                                                                            "content": "abc"}]})
+    check(status, answer)
+    assert status == 404, (status, answer)
     assert srv.call("GET", "/health")[0] == 200
     for seed in (-3, 2**63 + 5, None):      # OpenAI's seed is any integer (a negative one was a 500 once)
         status, answer = srv.call("POST", "/v1/chat/completions", {"model": f"{run_id}@final", "max_tokens": 4,
