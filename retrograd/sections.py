@@ -142,7 +142,8 @@ class RolloutSection:
     generator_weights: str = opt("auto", "weights the rollout generator decodes with: the model file's own "
                                  "('native'); its Q4_1 weights split for llama.cpp's Q4_0 kernels, exactly "
                                  "('split', cached); a cached f16 / bf16 / q8_0 copy (more memory; bf16 needs "
-                                 "AVX512-BF16 to be fast); 'auto': split for a Q4_1 model on the CPU, else native",
+                                 "AVX512-BF16 to be fast); 'auto': split for a Q4_1 model of at most 1 GiB on the "
+                                 "CPU, else native",
                                  choices=("auto", "native", "split", "f16", "bf16", "q8_0"))
 
 

@@ -41,7 +41,7 @@ def main() -> None:
         rollouts(args)
         return
     from retrograd.data.chat import format_for
-    from retrograd.engine import LoraSpec, Trainable
+    from retrograd.engine import LoraSpec
     from retrograd.generation.llama import Generator, plain_llama
     from retrograd.models import default_model_path
 
@@ -76,11 +76,7 @@ def main() -> None:
 
     lcpp = statistics.median(ref() for _ in range(args.repeats))
 
-    tr = Trainable(model, LoraSpec(16, 32.0), threads=args.threads)
-    rng = np.random.default_rng(0)
-    for t in tr.lora.tensors:
-        if t.name.endswith("lora_b"):
-            tr.lora.write(t.index, rng.standard_normal(t.shape).astype(np.float32) * 1e-3)
+    tr = random_adapter(model, LoraSpec(16, 32.0), args.threads)
     swaps = []
     for _ in range(5):
         t = time.perf_counter()
@@ -190,15 +186,23 @@ def rollouts(args) -> None:
         print(f"  {name:<32} {statistics.median(rs):7.1f} tokens/s  {ratio:.2f}x")
 
 
-def example_adapter(model, lora, threads: int) -> bytes:
-    """An adapter of the example's [lora] shape with small random B (an untrained one is zero)."""
-    from retrograd.engine import LoraSpec, Trainable
+def random_adapter(model, spec, threads: int):
+    """A Trainable whose adapter has small random B (an untrained one is zero, and changes nothing)."""
+    from retrograd.engine import Trainable
 
-    tr = Trainable(model, LoraSpec(lora.rank, lora.alpha, targets=tuple(lora.targets)), threads=threads)
+    tr = Trainable(model, spec, threads=threads)
     rng = np.random.default_rng(0)
     for t in tr.lora.tensors:
         if t.name.endswith("lora_b"):
             tr.lora.write(t.index, rng.standard_normal(t.shape).astype(np.float32) * 1e-3)
+    return tr
+
+
+def example_adapter(model, lora, threads: int) -> bytes:
+    """The bytes of an adapter of the example's [lora] shape with small random B."""
+    from retrograd.engine import LoraSpec
+
+    tr = random_adapter(model, LoraSpec(lora.rank, lora.alpha, targets=tuple(lora.targets)), threads)
     data = tr.adapter_bytes()
     tr.close()
     return data

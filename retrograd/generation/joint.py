@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,28 @@ _libc.fopencookie.restype = ctypes.c_void_p
 _libc.fopencookie.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _IoFunctions]
 _libc.fclose.argtypes = [ctypes.c_void_p]
 _libc.setvbuf.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_size_t]
+
+
+def _joint_a(a_t: np.ndarray | None, blocks: int, rank: int, n_in: int) -> bytes:
+    """A's bytes: the training A's rows, then one row per block of 32 inputs summing it, then zeros."""
+    a = np.zeros((rank, n_in), np.float16)
+    r = 0 if a_t is None else a_t.shape[0]
+    if a_t is not None:
+        a[:r] = a_t
+    if blocks:
+        a[r + np.arange(n_in) // BLOCK, np.arange(n_in)] = 1.0
+    return a.tobytes()
+
+
+def _joint_b(b_t: np.ndarray | None, s: float, c: np.ndarray | None, rank: int, n_out: int) -> bytes:
+    """B's bytes: the training B times its scale s, then the offsets c, then zeros, column-wise."""
+    b = np.zeros((n_out, rank), np.float32)
+    r = 0 if b_t is None else b_t.shape[1]
+    if b_t is not None:
+        b[:, :r] = b_t * s
+    if c is not None:
+        b[:, r:r + c.shape[1]] = c
+    return b.tobytes()
 
 
 class JointAdapter:
@@ -81,24 +104,8 @@ class JointAdapter:
             n_out = b_t.shape[0] if b_t is not None else c.shape[0]
             rank = -(-(r + blocks) // RANK_STEP) * RANK_STEP
             s = scale * (alpha / r if alpha and r else 1.0)        # llama.cpp's scale: alpha / the weight's rank
-
-            def a_bytes(a_t=a_t, r=r, blocks=blocks, rank=rank, n_in=n_in) -> bytes:
-                a = np.zeros((rank, n_in), np.float16)
-                if a_t is not None:
-                    a[:r] = a_t
-                if blocks:
-                    a[r + np.arange(n_in) // BLOCK, np.arange(n_in)] = 1.0
-                return a.tobytes()
-
-            def b_bytes(b_t=b_t, c=c, r=r, blocks=blocks, rank=rank, n_out=n_out, s=s) -> bytes:
-                b = np.zeros((n_out, rank), np.float32)
-                if b_t is not None:
-                    b[:, :r] = b_t * s
-                if blocks:
-                    b[:, r:r + blocks] = c
-                return b.tobytes()
-
-            pieces += [(w + ".lora_a", (rank, n_in), True, a_bytes), (w + ".lora_b", (n_out, rank), False, b_bytes)]
+            pieces += [(w + ".lora_a", (rank, n_in), True, partial(_joint_a, a_t, blocks, rank, n_in)),
+                       (w + ".lora_b", (n_out, rank), False, partial(_joint_b, b_t, s, c, rank, n_out))]
         return pieces
 
     def load(self, model, data: bytes | None, scale: float = 1.0):

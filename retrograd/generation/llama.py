@@ -126,7 +126,6 @@ class Generator:
         self._merged: Path | None = None       # a DoRA adapter's merged model, when loaded instead
         self._trained = False                  # whether a training adapter is in
         self._open(self.path)
-        self._split = self._joint is not None
 
     def _open(self, path: Path) -> None:
         """Load `path`'s weights with a fresh context (the tokenizer stays: a merged model has the same)."""
@@ -180,7 +179,7 @@ class Generator:
         if data is not None and adapter_io.kind_of(data) == "dora":
             from retrograd.generation.merge import merged_model
 
-            if self._split:
+            if self._joint is not None:       # the base is a split copy (a merged model is never one)
                 raise GenerationError(f"{self.path}: a split generator copy cannot apply a DoRA adapter "
                                       '(set generator_weights = "native")')
             merged = merged_model(self.path, data)

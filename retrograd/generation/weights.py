@@ -48,15 +48,16 @@ def resolve(path: Path, weights: str, *, on_cpu: bool = True, dora: bool = False
                              'the model merged with it); use "auto" or "native"')
     if weights != "auto":
         return weights
-    if not on_cpu or dora or path.stat().st_size > AUTO_SPLIT_MAX or not split.can_split(path):
+    size = path.stat().st_size
+    if not on_cpu or dora or size > AUTO_SPLIT_MAX or not split.can_split(path):
         return "native"
     where = cache_dir()
     while not where.exists():
         where = where.parent
     free = shutil.disk_usage(where).free
-    if free < 2 * path.stat().st_size:
+    if free < 2 * size:
         log.warning("generator_weights = auto: %.1f GB free for the split copy of %s (%.1f GB); decoding the "
-                    "file's own weights", free / 1e9, path.name, path.stat().st_size / 1e9)
+                    "file's own weights", free / 1e9, path.name, size / 1e9)
         return "native"
     return "split"
 
