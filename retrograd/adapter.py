@@ -25,7 +25,7 @@ from retrograd.fsutil import atomic_write
 
 ALIGN = 32
 _T_UINT32, _T_FLOAT32, _T_STRING = 4, 6, 8
-_GGML_F32, _GGML_F16 = 0, 1
+GGML_F32, GGML_F16, GGML_Q8_0 = 0, 1, 8      # ggml type numbers
 
 
 def _s(text: str) -> bytes:
@@ -36,10 +36,17 @@ def _s(text: str) -> bytes:
 KINDS = ("lora", "dora")
 
 
-def header(arch: str, alpha: float, infos: list[tuple[str, tuple[int, ...], bool]], name: str = "retrograd adapter",
+def tensor_nbytes(typ: int, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of ggml type F32, F16 or Q8_0 (blocks of 32 along its last axis)."""
+    n = int(np.prod(shape))
+    return n // 32 * 34 if typ == GGML_Q8_0 else n * (2 if typ == GGML_F16 else 4)
+
+
+def header(arch: str, alpha: float, infos: list[tuple[str, tuple[int, ...], int]], name: str = "retrograd adapter",
            kind: str = "lora") -> tuple[bytes, list[int]]:
     """An adapter GGUF's bytes up to its tensor data, and each tensor's data offset from there.
-    infos: (name, shape in (ne1, ne0) order, F16 or not: F32) of each tensor, in file order."""
+    infos: (name, shape in (ne1, ne0) order, ggml type: GGML_F32, GGML_F16 or GGML_Q8_0) of each
+    tensor, in file order."""
     kv = [
         ("general.architecture", _T_STRING, _s(arch)),
         ("general.type", _T_STRING, _s("adapter")),
@@ -53,12 +60,12 @@ def header(arch: str, alpha: float, infos: list[tuple[str, tuple[int, ...], bool
     for key, typ, val in kv:
         out.write(_s(key) + struct.pack("<I", typ) + val)
     offset, offsets = 0, []
-    for tname, shape, half in infos:
+    for tname, shape, typ in infos:
         dims = list(reversed(shape))          # GGUF lists ne0 first
         out.write(_s(tname) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims))
-        out.write(struct.pack("<IQ", _GGML_F16 if half else _GGML_F32, offset))
+        out.write(struct.pack("<IQ", typ, offset))
         offsets.append(offset)
-        offset += (int(np.prod(shape)) * (2 if half else 4) + ALIGN - 1) // ALIGN * ALIGN
+        offset += (tensor_nbytes(typ, shape) + ALIGN - 1) // ALIGN * ALIGN
     out.write(b"\0" * ((-out.tell()) % ALIGN))
     return out.getvalue(), offsets
 
@@ -70,7 +77,8 @@ def to_bytes(arch: str, alpha: float, tensors: dict[str, np.ndarray], name: str 
     # float16 arrays stay F16 (values that F16 holds exactly, like the split copy's block sums)
     arrays = [np.ascontiguousarray(a, dtype=np.float16 if getattr(a, "dtype", None) == np.float16 else np.float32)
               for a in tensors.values()]
-    head, _ = header(arch, alpha, [(n, a.shape, a.dtype == np.float16) for n, a in zip(tensors, arrays)], name, kind)
+    infos = [(n, a.shape, GGML_F16 if a.dtype == np.float16 else GGML_F32) for n, a in zip(tensors, arrays)]
+    head, _ = header(arch, alpha, infos, name, kind)
     out = io.BytesIO()
     out.write(head)
     for a in arrays:
@@ -126,14 +134,14 @@ def parse(data: bytes) -> AdapterFile:
         dims = struct.unpack_from(f"<{n_dims}Q", data, cur.pos)
         cur.pos += 8 * n_dims
         typ, off = cur.take("<IQ")
-        if typ not in (_GGML_F32, _GGML_F16):
+        if typ not in (GGML_F32, GGML_F16):
             raise AdapterError(f"adapter tensor {tname}: ggml type {typ}, expected F32 or F16")
         infos.append((tname, tuple(reversed(dims)), typ, off))
     align = int(fields.get("general.alignment", ALIGN))
     base = (cur.pos + align - 1) // align * align
     tensors = {}
     for tname, shape, typ, off in infos:
-        dt = np.float16 if typ == _GGML_F16 else np.float32
+        dt = np.float16 if typ == GGML_F16 else np.float32
         tensors[tname] = np.frombuffer(data, dt, int(np.prod(shape)), base + off).reshape(shape)
     ranks = {a.shape[0] for n, a in tensors.items() if n.endswith(".lora_a")}
     return AdapterFile(str(fields.get("general.architecture")), float(fields.get("adapter.lora.alpha") or 0.0),

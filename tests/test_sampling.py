@@ -95,10 +95,48 @@ def test_fast_mode_samples_from_the_same_nucleus(monkeypatch):
 
 
 def test_draw_matches_numpy_choice_for_the_same_seed():
+    # _draw sums in pieces, so the two can differ where a uniform falls within rounding of a
+    # boundary between tokens (about 1e-13 a draw); these 600 draws are nowhere near one
     from retrograd.generation.sampling import _draw
-    for s in range(300):
+    for s in range(600):
         r = np.random.default_rng(s)
-        n = (3, 50, 49152)[s % 3]
+        n = (3, 50, 1024, 1025, 4000, 49152)[s % 6]
         p = r.random(n) ** (1 + s % 7 * 3)
-        p /= p.sum()
-        assert _draw(p, np.random.default_rng(s + 1)) == np.random.default_rng(s + 1).choice(n, p=p)
+        if s % 4 == 0:
+            p[r.random(n) < 0.9] = 0.0              # long runs of zeros, whole pieces of them
+            p[r.integers(n)] = 1.0
+        want = np.random.default_rng(s + 1).choice(n, p=p / p.sum())
+        assert _draw(p, np.random.default_rng(s + 1)) == want        # unnormalized weights
+        assert _draw(p / p.sum(), np.random.default_rng(s + 1)) == want
+
+
+class _Uniform:
+    """A generator whose uniform is fixed, for the ends of [0, 1)."""
+
+    def __init__(self, u: float) -> None:
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+def test_draw_at_the_ends_of_the_uniform_takes_the_first_and_last_tokens_with_weight():
+    from retrograd.generation.sampling import _draw
+    w = np.zeros(5000)
+    w[[7, 1500, 3100]] = [0.2, 0.5, 0.3]
+    assert _draw(w, _Uniform(0.0)) == 7
+    assert _draw(w, _Uniform(np.nextafter(1.0, 0.0))) == 3100
+    assert _draw(w, _Uniform(0.2 + 1e-9)) == 1500
+    w = np.zeros(3000)
+    w[2999] = 1e-300                                  # a single tiny weight, in the last piece
+    assert _draw(w, _Uniform(np.nextafter(1.0, 0.0))) == 2999
+
+
+def test_draw_frequencies_follow_the_weights():
+    from retrograd.generation.sampling import _draw
+    w = np.zeros(3000)
+    w[[5, 1023, 1024, 2999]] = [1.0, 2.0, 3.0, 4.0]
+    rng = np.random.default_rng(11)
+    counts = np.bincount([_draw(w, rng) for _ in range(8000)], minlength=3000)
+    assert counts.sum() == counts[[5, 1023, 1024, 2999]].sum()
+    np.testing.assert_allclose(counts[[5, 1023, 1024, 2999]] / 8000, [0.1, 0.2, 0.3, 0.4], atol=0.02)

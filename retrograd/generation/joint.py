@@ -2,29 +2,36 @@
 
 A split copy (split.py) needs its offsets applied as an adapter under the training one. As two
 adapters, llama.cpp adds four graph nodes per weight for each (two products, a scale, an add):
-on SmolLM2 that is 1,680 small nodes a decode step, each a barrier for the threads. As one, of
-rank r + n_in/32 (padded to a multiple of 16, the inner size llamafile's GEMM takes), its A stacks
-the training A over the block sums and its B puts the training B, scaled by alpha / r, beside the
-offsets: the same product, and a GRPO step's rollouts decoded about 14% faster (docs/benchmarks.md).
+on SmolLM2 that is 1,680 small nodes a decode step, each a barrier for the threads. As one, its A
+stacks the training A over the block sums and its B puts the training B, scaled by alpha / r,
+beside the offsets: the same product, and a GRPO step's rollouts decoded about 14% faster
+(docs/benchmarks.md).
+
+Both are Q8_0, so that llama.cpp multiplies them with int8 dot products over the activations
+rounded to 8 bits per block, as it does for the weights themselves (F16 A and F32 B took twice the
+time: their products were an eighth of a decode step). The block sums stay exact (each one is
+64 x 1/64 in Q8_0), so the offsets multiply the block sums of the 8-bit activations, which is what
+llama.cpp's own Q4_1 product does. The offsets and the training B round to 8 bits per 32 of a
+row; B's blocks never mix the two (the training part is padded to 32 columns), so neither is
+rounded on the other's scale. Weights without offsets keep F16 A and F32 B.
 
 The joint adapter is rebuilt at every swap, from the training adapter's bytes (read in place,
-adapter.parse) and the offsets (kept once, F32, without the sidecar's padding). So that no
-second whole copy of it sits in memory beside llama.cpp's, it is written into llama.cpp's loader
-piece by piece through a FILE* whose reads are served here (glibc's fopencookie): a tensor at a
-time. A is F16 (the block sums' ones are exact in it; the training A rounds to 11 bits, far below
-the training noise), B F32.
+adapter.parse) and the offsets (encoded once, when the copy is opened). So that no second whole
+copy of it sits in memory beside llama.cpp's, it is written into llama.cpp's loader piece by piece
+through a FILE* whose reads are served here (glibc's fopencookie): a tensor at a time.
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import numpy as np
 
 from retrograd import adapter as adapter_io
+from retrograd.adapter import GGML_F16, GGML_F32, GGML_Q8_0
 from retrograd.errors import GenerationError
 from retrograd.generation.split import BLOCK, RANK_STEP, offsets_path
 
@@ -43,35 +50,76 @@ _libc.fopencookie.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _IoFunctions]
 _libc.fclose.argtypes = [ctypes.c_void_p]
 _libc.setvbuf.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_size_t]
 
+Q8_BYTES = 2 + BLOCK          # a Q8_0 block: its scale (F16), then 32 int8
 
-def _joint_a(a_t: np.ndarray | None, blocks: int, rank: int, n_in: int) -> bytes:
-    """A's bytes: the training A's rows, then one row per block of 32 inputs summing it, then zeros."""
-    a = np.zeros((rank, n_in), np.float16)
-    r = 0 if a_t is None else a_t.shape[0]
-    if a_t is not None:
-        a[:r] = a_t
-    if blocks:
-        a[r + np.arange(n_in) // BLOCK, np.arange(n_in)] = 1.0
+
+def q8_0(x: np.ndarray) -> np.ndarray:
+    """Rows of x (a multiple of 32 long) as Q8_0 blocks, [rows, n / 32, 34] bytes, rounded as
+    ggml's reference quantizer rounds them (scale max|x| / 127, ties away from zero)."""
+    x = np.asarray(x, np.float32).reshape(len(x), -1, BLOCK)
+    d = np.abs(x).max(axis=2, keepdims=True) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    v = x * inv
+    out = np.empty(x.shape[:2] + (Q8_BYTES,), np.uint8)
+    out[..., :2] = d.astype(np.float16).view(np.uint8)
+    out[..., 2:] = np.trunc(v + np.copysign(np.float32(0.5), v)).astype(np.int8).view(np.uint8)
+    return out
+
+
+# a block of 32 ones, exactly: scale 1/64 (a power of two), every value 64
+_ONES = np.concatenate([np.array([1 / 64], np.float16).view(np.uint8), np.full(BLOCK, 64, np.uint8)])
+
+
+def _up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def _split_a(train, blocks: int, r0: int, rank: int, n_in: int) -> bytes:
+    """A's Q8_0 bytes: the training A's rows (train() gives both parts encoded), zeros to row r0,
+    then row r0 + j summing block j of the inputs, then zeros."""
+    a = np.zeros((rank, n_in // BLOCK, Q8_BYTES), np.uint8)
+    if r0:
+        a_q = train()[0]
+        a[:len(a_q)] = a_q
+    j = np.arange(blocks)
+    a[r0 + j, j] = _ONES
     return a.tobytes()
 
 
-def _joint_b(b_t: np.ndarray | None, s: float, c: np.ndarray | None, rank: int, n_out: int) -> bytes:
-    """B's bytes: the training B times its scale s, then the offsets c, then zeros, column-wise."""
-    b = np.zeros((n_out, rank), np.float32)
-    r = 0 if b_t is None else b_t.shape[1]
-    if b_t is not None:
-        b[:, :r] = b_t * s
-    if c is not None:
-        b[:, r:r + c.shape[1]] = c
+def _split_b(train, c: np.ndarray, r0: int, n_out: int) -> bytes:
+    """B's Q8_0 bytes: the training B (scaled, r0 columns) then the offsets' blocks c ([n_out,
+    blocks / 32 rounded up, 34], encoded once)."""
+    b = np.empty((n_out, r0 // BLOCK + c.shape[1], Q8_BYTES), np.uint8)
+    if r0:
+        b[:, :r0 // BLOCK] = train()[1]
+    b[:, r0 // BLOCK:] = c
     return b.tobytes()
+
+
+def _training_q8_0(a_t: np.ndarray, b_t: np.ndarray, s: float, r0: int) -> tuple[np.ndarray, np.ndarray]:
+    """A training weight's A and B times s, in Q8_0; B's columns padded with zeros to r0."""
+    t = np.zeros((len(b_t), r0), np.float32)
+    t[:, :b_t.shape[1]] = b_t * s
+    return q8_0(a_t), q8_0(t)
+
+
+def _padded(x: np.ndarray, rows: int, cols: int, dtype, s: float = 1.0) -> bytes:
+    """x times s in the top-left corner of a zero [rows, cols] array of dtype, as bytes."""
+    out = np.zeros((rows, cols), dtype)
+    out[:x.shape[0], :x.shape[1]] = x * s if s != 1.0 else x
+    return out.tobytes()
 
 
 class JointAdapter:
     """The offsets of a split copy; `load` joins a training adapter to them inside llama.cpp."""
 
     def __init__(self, arch: str, offsets: dict[str, np.ndarray]) -> None:
+        """offsets: weight name -> [n_out, n_in / 32] F32, each block's offset."""
         self.arch = arch
-        self.offsets = offsets          # weight name -> [n_out, n_in / 32] F32
+        self.blocks = {w: c.shape[1] for w, c in offsets.items()}
+        # Q8_0, its blocks of 32 offsets padded with zeros: 2.1 bytes an offset instead of 4
+        self.encoded = {w: q8_0(np.pad(c, ((0, 0), (0, _up(c.shape[1], BLOCK) - c.shape[1]))))
+                        for w, c in offsets.items()}
 
     @classmethod
     def of(cls, copy: Path) -> JointAdapter:
@@ -89,23 +137,32 @@ class JointAdapter:
                 offsets[name.removesuffix(".lora_b")] = np.array(b[:, : n_in // BLOCK], np.float32)
         return cls(f.arch, offsets)
 
-    def _pieces(self, training: adapter_io.AdapterFile | None, scale: float) -> list[tuple[str, tuple, bool, object]]:
-        """(tensor name, shape, F16?, a function giving its bytes) of the joint adapter, in file order."""
+    def _pieces(self, training: adapter_io.AdapterFile | None, scale: float) -> list[tuple[str, tuple, int, object]]:
+        """(tensor name, shape, ggml type, a function giving its bytes) of the joint adapter, in file order."""
         tensors = {} if training is None else training.tensors
         trained = [n.removesuffix(".lora_a") for n in tensors if n.endswith(".lora_a")]
         alpha = training.alpha if training is not None else 0.0
         pieces = []
-        for w in [*self.offsets, *(n for n in trained if n not in self.offsets)]:
-            c = self.offsets.get(w)
+        for w in [*self.encoded, *(n for n in trained if n not in self.encoded)]:
             a_t, b_t = tensors.get(w + ".lora_a"), tensors.get(w + ".lora_b")
             r = 0 if a_t is None else a_t.shape[0]
-            blocks = 0 if c is None else c.shape[1]
-            n_in = a_t.shape[1] if a_t is not None else blocks * BLOCK
-            n_out = b_t.shape[0] if b_t is not None else c.shape[0]
-            rank = -(-(r + blocks) // RANK_STEP) * RANK_STEP
             s = scale * (alpha / r if alpha and r else 1.0)        # llama.cpp's scale: alpha / the weight's rank
-            pieces += [(w + ".lora_a", (rank, n_in), True, partial(_joint_a, a_t, blocks, rank, n_in)),
-                       (w + ".lora_b", (n_out, rank), False, partial(_joint_b, b_t, s, c, rank, n_out))]
+            if w in self.encoded:
+                c = self.encoded[w]
+                n_out, n_in, r0 = len(c), self.blocks[w] * BLOCK, _up(r, BLOCK)
+                rank = r0 + c.shape[1] * BLOCK
+                if a_t is not None and (b_t is None or a_t.shape[1] != n_in or b_t.shape != (n_out, r)):
+                    raise GenerationError(f"adapter tensors {w}.lora_a/b are not for this model's {w} "
+                                          f"({n_out} x {n_in}): is the adapter for another model?")
+                # encoded when first asked for, once: llama.cpp's reads may come back to a tensor
+                train = cache(partial(_training_q8_0, a_t, b_t, s, r0)) if r0 else None
+                a_fn = partial(_split_a, train, self.blocks[w], r0, rank, n_in)
+                pieces += [(w + ".lora_a", (rank, n_in), GGML_Q8_0, a_fn),
+                           (w + ".lora_b", (n_out, rank), GGML_Q8_0, partial(_split_b, train, c, r0, n_out))]
+            else:
+                rank, (n_out, n_in) = _up(r, RANK_STEP), (b_t.shape[0], a_t.shape[1])
+                pieces += [(w + ".lora_a", (rank, n_in), GGML_F16, partial(_padded, a_t, rank, n_in, np.float16)),
+                           (w + ".lora_b", (n_out, rank), GGML_F32, partial(_padded, b_t, n_out, rank, np.float32, s))]
         return pieces
 
     def load(self, model, data: bytes | None, scale: float = 1.0):
@@ -117,10 +174,10 @@ class JointAdapter:
         if training is not None and training.kind != "lora":
             raise GenerationError("a split generator copy takes LoRA adapters only")
         pieces = self._pieces(training, scale)
-        head, offsets = adapter_io.header(self.arch, 0.0, [(n, shape, half) for n, shape, half, _ in pieces],
+        head, offsets = adapter_io.header(self.arch, 0.0, [(n, shape, typ) for n, shape, typ, _ in pieces],
                                           name="training adapter and Q4_1 block offsets")
         last = pieces[-1] if pieces else None
-        size = len(head) + (offsets[-1] + int(np.prod(last[1])) * (2 if last[2] else 4) if last else 0)
+        size = len(head) + (offsets[-1] + adapter_io.tensor_nbytes(last[2], last[1]) if last else 0)
         stream = _Stream(head, [(len(head) + off, fn) for off, (_, _, _, fn) in zip(offsets, pieces)], size)
         fp = stream.open()
         try:
@@ -144,7 +201,7 @@ class _Stream:
         self.head, self.tensors, self.size = head, tensors, size
         self.starts = [start for start, _ in tensors]
         self.pos = 0
-        self.current: tuple[int, bytes] = (-1, b"")
+        self.recent: dict[int, bytes] = {}     # the tensors last produced, at most two
         self.error: Exception | None = None
 
     def _at(self, pos: int, n: int) -> bytes:
@@ -153,9 +210,13 @@ class _Stream:
         i = bisect.bisect_right(self.starts, pos) - 1
         if i < 0:
             return b""
-        if self.current[0] != i:
-            self.current = (i, self.tensors[i][1]())
-        start, data = self.starts[i], self.current[1]
+        if i not in self.recent:
+            # glibc's buffer reads ahead into the next tensor of the file, which llama.cpp (going
+            # through its own map of the weights) may ask for after one more: two kept
+            if len(self.recent) == 2:
+                del self.recent[next(iter(self.recent))]
+            self.recent[i] = self.tensors[i][1]()
+        start, data = self.starts[i], self.recent[i]
         if pos - start < len(data):
             return data[pos - start:pos - start + n]
         nxt = self.starts[i + 1] if i + 1 < len(self.starts) else self.size
@@ -165,7 +226,7 @@ class _Stream:
         """Drop the callbacks and tensors: they refer back to the stream, a cycle that would keep
         the training adapter's bytes alive until the garbage collector ran."""
         self._funcs = self._buffer = None
-        self.tensors, self.current = [], (-1, b"")
+        self.tensors, self.recent = [], {}
 
     def open(self):
         def read(_cookie, buf, size):

@@ -34,8 +34,9 @@ from retrograd.models import cache_dir
 FORMATS = {"f16": 1, "bf16": 32, "q8_0": 7}
 CHOICES = ("auto", "native", "split", *FORMATS)
 # "auto" splits model files up to this size: the joint adapter the split copy decodes with
-# (joint.py) holds a float for each weight row and block of 32 (plus padding), a third to a half of
-# the file's size in memory, which a small model's rollouts repay and a 7B model's memory may not
+# (joint.py) holds a byte for each weight row and block of 32 (Q8_0, plus padding) and the block
+# sums, about a quarter of the file's size in memory on the default model, which a small model's
+# rollouts repay and a 7B model's memory may not
 AUTO_SPLIT_MAX = 1 << 30
 
 
