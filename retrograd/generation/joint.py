@@ -31,9 +31,10 @@ from pathlib import Path
 import numpy as np
 
 from retrograd import adapter as adapter_io
+from retrograd import native
 from retrograd.adapter import GGML_F16, GGML_F32, GGML_Q8_0
 from retrograd.errors import GenerationError
-from retrograd.generation.split import BLOCK, RANK_STEP, offsets_path
+from retrograd.generation.split import BLOCK, RANK_STEP, offsets_path, up
 
 _READ = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_void_p, ctypes.POINTER(ctypes.c_char), ctypes.c_size_t)
 _SEEK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int)
@@ -54,24 +55,13 @@ Q8_BYTES = 2 + BLOCK          # a Q8_0 block: its scale (F16), then 32 int8
 
 
 def q8_0(x: np.ndarray) -> np.ndarray:
-    """Rows of x (a multiple of 32 long) as Q8_0 blocks, [rows, n / 32, 34] bytes, rounded as
-    ggml's reference quantizer rounds them (scale max|x| / 127, ties away from zero)."""
-    x = np.asarray(x, np.float32).reshape(len(x), -1, BLOCK)
-    d = np.abs(x).max(axis=2, keepdims=True) / np.float32(127)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
-    v = x * inv
-    out = np.empty(x.shape[:2] + (Q8_BYTES,), np.uint8)
-    out[..., :2] = d.astype(np.float16).view(np.uint8)
-    out[..., 2:] = np.trunc(v + np.copysign(np.float32(0.5), v)).astype(np.int8).view(np.uint8)
-    return out
+    """Rows of x (a multiple of 32 long) as Q8_0 blocks, [rows, n / 32, 34] bytes, by ggml's quantizer."""
+    x = np.asarray(x, np.float32)
+    return native.quantize_rows(GGML_Q8_0, x.reshape(len(x), -1)).reshape(len(x), -1, Q8_BYTES)
 
 
 # a block of 32 ones, exactly: scale 1/64 (a power of two), every value 64
 _ONES = np.concatenate([np.array([1 / 64], np.float16).view(np.uint8), np.full(BLOCK, 64, np.uint8)])
-
-
-def _up(n: int, step: int) -> int:
-    return -(-n // step) * step
 
 
 def _split_a(train, blocks: int, r0: int, rank: int, n_in: int) -> bytes:
@@ -118,7 +108,7 @@ class JointAdapter:
         self.arch = arch
         self.blocks = {w: c.shape[1] for w, c in offsets.items()}
         # Q8_0, its blocks of 32 offsets padded with zeros: 2.1 bytes an offset instead of 4
-        self.encoded = {w: q8_0(np.pad(c, ((0, 0), (0, _up(c.shape[1], BLOCK) - c.shape[1]))))
+        self.encoded = {w: q8_0(np.pad(c, ((0, 0), (0, up(c.shape[1], BLOCK) - c.shape[1]))))
                         for w, c in offsets.items()}
 
     @classmethod
@@ -149,7 +139,7 @@ class JointAdapter:
             s = scale * (alpha / r if alpha and r else 1.0)        # llama.cpp's scale: alpha / the weight's rank
             if w in self.encoded:
                 c = self.encoded[w]
-                n_out, n_in, r0 = len(c), self.blocks[w] * BLOCK, _up(r, BLOCK)
+                n_out, n_in, r0 = len(c), self.blocks[w] * BLOCK, up(r, BLOCK)
                 rank = r0 + c.shape[1] * BLOCK
                 if a_t is not None and (b_t is None or a_t.shape[1] != n_in or b_t.shape != (n_out, r)):
                     raise GenerationError(f"adapter tensors {w}.lora_a/b are not for this model's {w} "
@@ -160,7 +150,7 @@ class JointAdapter:
                 pieces += [(w + ".lora_a", (rank, n_in), GGML_Q8_0, a_fn),
                            (w + ".lora_b", (n_out, rank), GGML_Q8_0, partial(_split_b, train, c, r0, n_out))]
             else:
-                rank, (n_out, n_in) = _up(r, RANK_STEP), (b_t.shape[0], a_t.shape[1])
+                rank, (n_out, n_in) = up(r, RANK_STEP), (b_t.shape[0], a_t.shape[1])
                 pieces += [(w + ".lora_a", (rank, n_in), GGML_F16, partial(_padded, a_t, rank, n_in, np.float16)),
                            (w + ".lora_b", (n_out, rank), GGML_F32, partial(_padded, b_t, n_out, rank, np.float32, s))]
         return pieces

@@ -38,6 +38,11 @@ BLOCK = 32
 RANK_STEP = 16     # llamafile's GEMM takes inner sizes in multiples of 16 (AVX-512) or 8; else ggml's slow dot
 
 
+def up(n: int, step: int) -> int:
+    """n rounded up to a multiple of step."""
+    return -(-n // step) * step
+
+
 def _reader(path: Path):
     import gguf
 
@@ -85,7 +90,7 @@ def offsets(t) -> tuple[np.ndarray, np.ndarray]:
     d = b[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(n_out, n_in // BLOCK)
     m = b[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(n_out, n_in // BLOCK)
     blocks = n_in // BLOCK
-    rank = -(-blocks // RANK_STEP) * RANK_STEP
+    rank = up(blocks, RANK_STEP)
     a = np.zeros((rank, n_in), np.float16)
     a[np.arange(n_in) // BLOCK, np.arange(n_in)] = 1.0
     lb = np.zeros((n_out, rank), np.float32)
