@@ -69,6 +69,12 @@ void rg_engine_set_matmul_mode(rg_engine * e, int mode) {
 
 void rg_engine_set_exact_ops(rg_engine * e, int on) { e->exact_ops = on != 0; }
 
+rg_status rg_engine_set_attention(rg_engine * e, int mode) {
+    if (mode != RG_ATTENTION_TILED && mode != RG_ATTENTION_DENSE) return rg_fail(RG_ERR_ARG, "unknown attention mode %d", mode);
+    e->dense_attention = mode == RG_ATTENTION_DENSE;
+    return RG_OK;
+}
+
 void rg_engine_set_recompute(rg_engine * e, int on) { e->recompute = on != 0; }
 
 void rg_engine_set_head_budget(rg_engine * e, size_t bytes) { e->head_budget = bytes; }
@@ -195,6 +201,7 @@ static rg_status build(rg_engine * e, rg_lora * lora, int32_t n_tokens, int kind
     o->b.n_tokens = n_tokens;
     o->b.train = train;
     o->b.exact_ops = e->exact_ops;
+    o->b.tiled_attention = !e->dense_attention;
     o->b.on_cpu = e->model->backend == e->model->backend_cpu;
     o->b.matmul_mode = e->matmul_mode;
     o->b.packed = rg_gemm_for_mode(e->matmul_mode);
@@ -280,10 +287,6 @@ static rg_status alloc_and_set_inputs(rg_engine * e, rg_built * o, const rg_batc
         return rg_fail(RG_ERR_COMPUTE, "could not allocate the compute graph (%d tokens): out of memory?", batch->n_tokens);
     }
     const int T = batch->n_tokens;
-    const size_t TT = (size_t) T * (size_t) T;
-    float * mask = rg_malloc(sizeof(float) * TT * (o->b.inp_mask_swa ? 2 : 1), "the attention masks");
-    if (!mask) return RG_ERR_NOMEM;
-    float * mask_swa = o->b.inp_mask_swa ? mask + TT : NULL;
     ggml_backend_tensor_set(o->b.inp_tokens, batch->tokens, 0, sizeof(int32_t) * (size_t) T);
     ggml_backend_tensor_set(o->b.inp_pos, batch->positions, 0, sizeof(int32_t) * (size_t) T);
     if (o->b.inp_embd_noise) ggml_backend_tensor_set(o->b.inp_embd_noise, batch->embed_noise, 0, ggml_nbytes(o->b.inp_embd_noise));
@@ -292,11 +295,8 @@ static rg_status alloc_and_set_inputs(rg_engine * e, rg_built * o, const rg_batc
         rg_dropout_params(batch, params);
         ggml_backend_tensor_set(o->b.inp_dropout, params, 0, sizeof(params));
     }
-    rg_fill_masks(&e->model->hp, batch, mask, mask_swa);
-    /* a mask no layer uses (all layers local, or all global) is not allocated */
-    if (o->b.inp_mask->buffer) ggml_backend_tensor_set(o->b.inp_mask, mask, 0, ggml_nbytes(o->b.inp_mask));
-    if (mask_swa && o->b.inp_mask_swa->buffer) ggml_backend_tensor_set(o->b.inp_mask_swa, mask_swa, 0, ggml_nbytes(o->b.inp_mask_swa));
-    free(mask);
+    const rg_status st = rg_set_attention_inputs(&o->b, batch);
+    if (st != RG_OK) return st;
     if (o->loss_grad) {
         const float one = 1.0f;
         ggml_backend_tensor_set(o->loss_grad, &one, 0, sizeof(float));

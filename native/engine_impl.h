@@ -18,6 +18,7 @@ struct rg_engine {
     size_t               ctx_mem_size;
     size_t               graph_size;
     bool                 exact_ops;
+    bool                 dense_attention;   /* rg_engine_set_attention */
     bool                 recompute;   /* activation checkpointing (recompute.c) */
     int                  matmul_mode;
     bool                 profiling;

@@ -13,6 +13,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define CHECK_SHAPE(b, t, n0, n1, n2, what)                                                     \
@@ -148,12 +149,21 @@ static struct ggml_tensor * attention(rg_graph_build * b, int il, struct ggml_te
     if (b->matmul_mode != RG_MATMUL_NATIVE) q = ggml_cont(ctx, q);
     k = ggml_permute(ctx, k, 0, 2, 1, 3);                       /* [hd, T, n_kv] */
     struct ggml_tensor * kq = ggml_mul_mat(ctx, k, q);          /* [T_k, T_q, n_head] */
+    rg_attn_nodes * A = &b->attn[il];
+    A->q = q;
+    A->k = k;
+    A->k_rope = k->src[0];
+    A->v = v;
+    A->scale = kq_scale;
+    A->n_swa = swa ? hp->n_swa : 0;
     CHECK_SHAPE(b, kq, T, T, hp->n_head, "kq");
     kq = ggml_soft_max_ext(ctx, kq, swa ? b->inp_mask_swa : b->inp_mask, kq_scale, 0.0f);
     named(kq, "kq_softmax", il);
     struct ggml_tensor * vt = ggml_cont(ctx, ggml_permute(ctx, v, 1, 2, 0, 3)); /* [T, hd, n_kv] */
     struct ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);       /* [hd, T_q, n_head] */
     CHECK_SHAPE(b, kqv, hd, T, hp->n_head, "kqv");
+    A->vt = vt;
+    A->kqv = kqv;
     kqv = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), hd * hp->n_head, T);
     named(kqv, "kqv_out", il);
     return linear(b, il, RG_TARGET_O, kqv, L->bo);
@@ -212,6 +222,8 @@ void rg_build_layer_inputs(rg_graph_build * b) {
         b->inp_mask_swa = named(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, T, T), "inp_mask_swa", -1);
         ggml_set_input(b->inp_mask_swa);
     }
+    b->inp_vis = named(ggml_new_tensor_2d(ctx, GGML_TYPE_I32, T, 3), "inp_vis", -1);
+    ggml_set_input(b->inp_vis);
     b->inp_dropout = NULL;
     if (b->dropout && b->lora) {
         b->inp_dropout = named(ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 4), "inp_dropout", -1);
@@ -290,4 +302,28 @@ void rg_fill_masks(const rg_hparams * hp, const rg_batch * batch, float * mask, 
             }
         }
     }
+}
+
+rg_status rg_set_attention_inputs(const rg_graph_build * b, const rg_batch * batch) {
+    const int T = batch->n_tokens;
+    if (b->inp_vis && b->inp_vis->buffer) {
+        int32_t * vis = rg_malloc(sizeof(int32_t) * 3 * (size_t) T, "the attention's ids and positions");
+        if (!vis) return RG_ERR_NOMEM;
+        rg_attn_fill_vis(batch, vis);
+        ggml_backend_tensor_set(b->inp_vis, vis, 0, ggml_nbytes(b->inp_vis));
+        free(vis);
+    }
+    /* a mask no node reads (tiled attention, or all layers local, or all global) is not allocated,
+     * and not filled: [T, T] floats are 256 MiB at 8,192 tokens */
+    const bool full = b->inp_mask && b->inp_mask->buffer, local = b->inp_mask_swa && b->inp_mask_swa->buffer;
+    if (!full && !local) return RG_OK;
+    const size_t TT = (size_t) T * (size_t) T;
+    float * mask = rg_malloc(sizeof(float) * TT * (b->inp_mask_swa ? 2 : 1), "the attention masks");
+    if (!mask) return RG_ERR_NOMEM;
+    float * mask_swa = b->inp_mask_swa ? mask + TT : NULL;
+    rg_fill_masks(&b->model->hp, batch, mask, mask_swa);
+    if (full) ggml_backend_tensor_set(b->inp_mask, mask, 0, ggml_nbytes(b->inp_mask));
+    if (local) ggml_backend_tensor_set(b->inp_mask_swa, mask_swa, 0, ggml_nbytes(b->inp_mask_swa));
+    free(mask);
+    return RG_OK;
 }

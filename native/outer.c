@@ -185,6 +185,12 @@ static void tile(const rg_tile * t, int nv, int nb, float acc[BW][VW]) {
     }
 }
 
+void rg_tile_product(const float * V, size_t ldv, const float * B, size_t ldb, size_t sb, int64_t steps, int nv, int nb,
+                     float acc[BW][VW]) {
+    const rg_tile t = { .V = V, .ldv = ldv, .B = B, .ldb = ldb, .sb = sb, .steps = steps };
+    tile(&t, nv, nb, acc);
+}
+
 /* ---- sum of outer products ------------------------------------------------------------------ */
 /* dst [n0, n1, H] = sum_t p[:, t, h'] q[:, t, h]^T for p = src[0] [n0, T, Hp], q = src[1] [n1, T, H],
  * h' = h / (H / Hp) (grouped-query attention shares a key head between H / Hp query heads) */

@@ -24,8 +24,6 @@ typedef struct {
     rg_engine      * e;
     rg_lora        * lora;
     const rg_batch * batch;      /* padded */
-    const float    * mask;
-    const float    * mask_swa;   /* NULL when the model has no sliding window */
 } rg_segments;
 
 static rg_status segment_fail(struct ggml_context * ctx, rg_status st, const char * what) {
@@ -42,7 +40,7 @@ static rg_status segment(const rg_segments * s, int il, const float * x_in, floa
     struct ggml_context * ctx = ggml_init(ip);
     if (!ctx) return rg_fail(RG_ERR_NOMEM, "out of host memory for a layer's graph context");
     rg_graph_build b = {
-        .model = e->model, .lora = s->lora, .ctx = ctx, .n_tokens = T, .train = true, .exact_ops = e->exact_ops,
+        .model = e->model, .lora = s->lora, .ctx = ctx, .n_tokens = T, .train = true, .exact_ops = e->exact_ops, .tiled_attention = !e->dense_attention,
         .matmul_mode = e->matmul_mode, .packed = rg_gemm_for_mode(e->matmul_mode), .dropout = s->batch->lora_dropout > 0.0f,
         .on_cpu = e->model->backend == e->model->backend_cpu,
     };
@@ -96,10 +94,14 @@ static rg_status segment(const rg_segments * s, int il, const float * x_in, floa
     }
     const double mib = (double) ggml_backend_sched_get_buffer_size(e->sched, e->model->backend) / (1024.0 * 1024.0);
     if (mib > e->timings.graph_mib) e->timings.graph_mib = mib;
-    const size_t TT = (size_t) T * (size_t) T, act = sizeof(float) * (size_t) D * (size_t) T;
+    const size_t act = sizeof(float) * (size_t) D * (size_t) T;
     ggml_backend_tensor_set(b.inp_pos, s->batch->positions, 0, sizeof(int32_t) * (size_t) T);
-    if (b.inp_mask->buffer) ggml_backend_tensor_set(b.inp_mask, s->mask, 0, sizeof(float) * TT);
-    if (b.inp_mask_swa && b.inp_mask_swa->buffer) ggml_backend_tensor_set(b.inp_mask_swa, s->mask_swa, 0, sizeof(float) * TT);
+    const rg_status sa = rg_set_attention_inputs(&b, s->batch);
+    if (sa != RG_OK) {
+        ggml_backend_sched_reset(e->sched);
+        ggml_free(ctx);
+        return sa;
+    }
     if (b.inp_dropout && b.inp_dropout->buffer) {
         int32_t params[4];
         rg_dropout_params(s->batch, params);
@@ -140,33 +142,29 @@ rg_status rg_engine_accumulate_recompute(rg_engine * e, rg_lora * lora, const rg
     if (r.status != RG_OK) st = rg_fail(r.status, "%s", r.error);
     else if (gs != GGML_STATUS_SUCCESS) st = rg_fail(RG_ERR_COMPUTE, "training forward computation failed");
     else if (r.t_hidden == 0) st = rg_fail(RG_ERR_COMPUTE, "the scheduler never reached the hidden state");
-    const size_t act = (size_t) D * (size_t) T, TT = (size_t) T * (size_t) T;
-    const bool swa = p.o.b.inp_mask_swa != NULL;
-    float * saved = NULL, * masks = NULL;
+    const size_t act = (size_t) D * (size_t) T;
+    float * saved = NULL;
     if (st == RG_OK) {
         /* every layer's input and the hidden state's gradient, then the forward graph goes */
         saved = rg_malloc(sizeof(float) * act * (size_t) (L + 1), "the layers' saved inputs");
-        masks = rg_malloc(sizeof(float) * TT * (swa ? 2 : 1), "the attention masks");
-        if (!saved || !masks) st = RG_ERR_NOMEM;
+        if (!saved) st = RG_ERR_NOMEM;
     }
     float * g = saved ? saved + act * (size_t) L : NULL;
     if (st == RG_OK) {
         for (int il = 0; il < L; il++) ggml_backend_tensor_get(p.o.b.layer_in[il], saved + act * (size_t) il, 0, sizeof(float) * act);
         ggml_backend_tensor_get(p.o.grad_hidden, g, 0, sizeof(float) * act);
-        rg_fill_masks(&e->model->hp, batch, masks, swa ? masks + TT : NULL);
     }
     /* the graph context's memory is e->ctx_mem, which the layers' graphs reuse */
     ggml_backend_sched_reset(e->sched);
     ggml_free(p.o.ctx);
     p.o.ctx = NULL;
     const double t0 = rg_now_ms();
-    const rg_segments s = { e, lora, batch, masks, swa ? masks + TT : NULL };
+    const rg_segments s = { e, lora, batch };
     for (int il = L - 1; il >= 0 && st == RG_OK; il--) {
         st = segment(&s, il, saved + act * (size_t) il, g, il == L - 1);
     }
     e->timings.backward_ms += rg_now_ms() - t0;
     free(saved);
-    free(masks);
     rg_engine_release(e, &p);
     return st;
 }

@@ -196,6 +196,13 @@ void      rg_engine_free(rg_engine * engine);
  * ~1e-3 relative on GELU models, but the forward is the exact function the gradient is of,
  * which finite-difference tests need. Default 0. */
 void      rg_engine_set_exact_ops(rg_engine * engine, int on);
+/* How attention is computed on the CPU: RG_ATTENTION_TILED (default) a tile of queries by keys at a
+ * time, forward and backward, never storing a head's [tokens x tokens] scores (memory grows with the
+ * tokens, not their square; attention.c); RG_ATTENTION_DENSE as ggml ops on the whole score matrix
+ * (the path ggml's autodiff writes; kept for comparison). Another device, the native matmul mode
+ * and exact ops always use the dense ops. RG_ERR_ARG for another value. */
+enum { RG_ATTENTION_TILED = 0, RG_ATTENTION_DENSE = 1 };
+rg_status rg_engine_set_attention(rg_engine * engine, int mode);
 /* Activation checkpointing: accumulate keeps only each layer's input from the forward pass and
  * recomputes the layer in the backward (memory grows with one layer's activations, not all of
  * them; a second forward pass's time). Off by default. */

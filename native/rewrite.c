@@ -96,10 +96,98 @@ static bool input_free(const struct ggml_tensor * t, int depth) {
     return true;
 }
 
-/* left out of the rewritten graph: a composite op replaced by its fused twin (b->subst_from), and the
- * two products a fused LoRA product replaced (`dead`) */
-static bool is_dead(const rg_graph_build * b, const rg_transposes * dead, const struct ggml_tensor * t) {
+/* a set of tensors by address (open addressing; sized for a graph's nodes at creation) */
+typedef struct {
+    const struct ggml_tensor ** key;
+    size_t                      cap;    /* a power of two */
+} rg_ptrset;
+
+static bool ptrset_init(rg_ptrset * s, size_t n) {
+    s->cap = 64;
+    while (s->cap < 4 * n) s->cap *= 2;
+    s->key = calloc(s->cap, sizeof(*s->key));
+    return s->key != NULL;
+}
+
+static size_t ptrset_slot(const rg_ptrset * s, const struct ggml_tensor * t) {
+    size_t k = (((uintptr_t) t >> 4) * 0x9E3779B97F4A7C15ull) & (s->cap - 1);
+    while (s->key[k] && s->key[k] != t) k = (k + 1) & (s->cap - 1);
+    return k;
+}
+
+static bool ptrset_has(const rg_ptrset * s, const struct ggml_tensor * t) {
+    return s->key[ptrset_slot(s, t)] == t;
+}
+
+static void ptrset_add(rg_ptrset * s, const struct ggml_tensor * t) {
+    s->key[ptrset_slot(s, t)] = t;
+}
+
+/* The nodes of gf that still matter after the rewrite: those reachable from the graph's sinks (the
+ * nodes nothing read before the rewrite: the loss, the adapter's gradients, the hidden state). A
+ * rewrite that replaces a computation by another leaves the old one's nodes unreachable: tiled
+ * attention leaves the [T, T] scores, their softmax and their gradients. `sinks` holds the
+ * sinks, taken before any node changed. */
+static bool reachable(struct ggml_cgraph * gf, const rg_ptrset * sinks, rg_ptrset * live) {
+    const int n = ggml_graph_n_nodes(gf);
+    if (!ptrset_init(live, (size_t) n * 4)) return false;    /* nodes, leaves and what the rewrite added */
+    size_t cap = (size_t) n + GGML_MAX_SRC + 1, top = 0;
+    const struct ggml_tensor ** stack = malloc(sizeof(*stack) * cap);
+    if (!stack) return false;
+    for (int i = 0; i < n; i++) {
+        const struct ggml_tensor * node = ggml_graph_node(gf, i);
+        if (ptrset_has(sinks, node)) stack[top++] = node;
+    }
+    while (top > 0) {
+        const struct ggml_tensor * t = stack[--top];
+        if (ptrset_has(live, t)) continue;
+        ptrset_add(live, t);
+        if (top + GGML_MAX_SRC + 1 > cap) {     /* a tensor is pushed once by each reader */
+            const struct ggml_tensor ** grown = realloc(stack, sizeof(*stack) * cap * 2);
+            if (!grown) {
+                free(stack);
+                return false;
+            }
+            stack = grown;
+            cap *= 2;
+        }
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            if (t->src[j] && !ptrset_has(live, t->src[j])) stack[top++] = t->src[j];
+        }
+        if (t->view_src && !ptrset_has(live, t->view_src)) stack[top++] = t->view_src;
+    }
+    free(stack);
+    return true;
+}
+
+static bool sinks_of(struct ggml_cgraph * gf, rg_ptrset * sinks) {
+    const int n = ggml_graph_n_nodes(gf);
+    rg_ptrset read;
+    if (!ptrset_init(&read, (size_t) n * GGML_MAX_SRC)) return false;
+    if (!ptrset_init(sinks, (size_t) n)) {
+        free(read.key);
+        return false;
+    }
+    for (int i = 0; i < n; i++) {
+        const struct ggml_tensor * node = ggml_graph_node(gf, i);
+        for (int j = 0; j < GGML_MAX_SRC; j++) if (node->src[j]) ptrset_add(&read, node->src[j]);
+        if (node->view_src) ptrset_add(&read, node->view_src);
+    }
+    for (int i = 0; i < n; i++) {
+        const struct ggml_tensor * node = ggml_graph_node(gf, i);
+        if (!ptrset_has(&read, node)) ptrset_add(sinks, node);
+    }
+    free(read.key);
+    return true;
+}
+
+/* left out of the rewritten graph: a composite op replaced by its fused twin (b->subst_from), the
+ * two products a fused LoRA product replaced (`dead`), and what no sink reaches any more (`live`,
+ * when set) */
+static bool is_dead(const rg_graph_build * b, const rg_transposes * dead, const rg_ptrset * live,
+                    const struct ggml_tensor * t) {
     for (int i = 0; i < b->n_subst; i++) if (b->subst_from[i] == t) return true;
+    if (live && live->key && !ptrset_has(live, t)) return true;
     return memo_find(dead, t) != NULL;
 }
 
@@ -148,12 +236,12 @@ static int users(const rg_users * u, const struct ggml_tensor * t) {
  * before the activations, which pull in all the layers below, so every layer's dequantized copy
  * would be live from the start of the graph to its use (5.8 GB of F16 weights on a 7B model). */
 static struct ggml_cgraph * reordered(struct ggml_context * ctx, struct ggml_cgraph * gf, size_t size,
-                                       const rg_graph_build * b, const rg_transposes * dead) {
+                                       const rg_graph_build * b, const rg_transposes * dead, const rg_ptrset * live) {
     struct ggml_cgraph * g2 = ggml_new_graph_custom(ctx, size, false);
     const int n = ggml_graph_n_nodes(gf);
     for (int i = 0; i < n; i++) {
         struct ggml_tensor * node = ggml_graph_node(gf, i);
-        if (is_dead(b, dead, node) || input_free(node, 4)) continue;     /* pulled in by their users */
+        if (is_dead(b, dead, live, node) || input_free(node, 4)) continue;     /* pulled in by their users */
         ggml_build_forward_expand(g2, node);
     }
     return g2;
@@ -182,6 +270,19 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
     tc.n = dq.n = pw.n = pwt.n = pa.n = fg.n = lb.n = dead.n = 0;
     rg_users * uc = b->packed ? calloc(1, sizeof(rg_users)) : NULL;     /* NULL: no fusion */
     if (uc) users_count(uc, gf);
+    /* attention a tile at a time (attention.c) on the CPU. It computes the same function as the dense
+     * ops, so exact_ops (the finite-difference tests) keep it and check its gradients; the native
+     * mode keeps llama.cpp's route for bit-equal log-probs */
+    rg_ptrset sinks = { 0 }, live = { 0 };
+    if (b->tiled_attention && b->on_cpu && b->matmul_mode != RG_MATMUL_NATIVE && sinks_of(gf, &sinks)) {
+        int n_tiled = 0;
+        for (int il = 0; il < RG_MAX_LAYERS; il++) n_tiled += rg_attn_tile(b, gf, il);
+        if (n_tiled == 0 || !reachable(gf, &sinks, &live)) {
+            free(live.key);
+            live.key = NULL;
+        }
+        free(sinks.key);
+    }
     for (int i = 0; i < n; i++) {
         struct ggml_tensor * node = ggml_graph_node(gf, i);
         for (int j = 0; j < GGML_MAX_SRC; j++) {
@@ -311,5 +412,7 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
         node->src[1] = y;
     }
     free(uc);
-    return reordered(ctx, gf, size, b, &dead);
+    struct ggml_cgraph * g2 = reordered(ctx, gf, size, b, &dead, &live);
+    free(live.key);
+    return g2;
 }

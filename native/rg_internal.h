@@ -105,6 +105,24 @@ struct rg_lora {
 rg_lora_slotset * rg_lora_slots(const rg_lora * l, int index);
 
 /* graph construction (graph.c) ------------------------------------------------------------ */
+/* one layer's attention as graph.c builds it, for attention.c's rewrite */
+typedef struct {
+    struct ggml_tensor * q;       /* [hd, T, heads], the scores' queries (src1 of Q K^T) */
+    struct ggml_tensor * k;       /* [hd, T, kv heads], a permuted view of k_rope (src0 of Q K^T) */
+    struct ggml_tensor * k_rope;  /* [hd, kv heads, T] */
+    struct ggml_tensor * v;       /* [hd, kv heads, T] */
+    struct ggml_tensor * vt;      /* [T, hd, kv heads] contiguous (src0 of P V) */
+    struct ggml_tensor * kqv;     /* [hd, T, heads], the attention's output before the heads are merged */
+    float                scale;   /* of the scores before the softmax */
+    int32_t              n_swa;   /* the sliding window of this layer, 0: none */
+} rg_attn_nodes;
+
+/* what attention.c's ops read besides their sources (the op's userdata) */
+typedef struct {
+    float   scale;
+    int32_t n_swa;
+} rg_attn_params;
+
 typedef struct {
     rg_model           * model;
     rg_lora            * lora;        /* NULL: base model */
@@ -114,6 +132,9 @@ typedef struct {
     struct ggml_tensor * inp_pos;     /* I32 [T] */
     struct ggml_tensor * inp_mask;    /* F32 [T, T] causal + packing */
     struct ggml_tensor * inp_mask_swa;/* F32 [T, T] additionally windowed, NULL when unused */
+    struct ggml_tensor * inp_vis;     /* I32 [T, 3]: sequence ids, shared-prefix ids, positions (attention.c) */
+    rg_attn_nodes        attn[RG_MAX_LAYERS];        /* set by graph.c for each layer it builds */
+    rg_attn_params       attn_params[RG_MAX_LAYERS]; /* attention.c's ops' userdata */
     struct ggml_tensor * inp_embd_noise; /* F32 [n_embd, T] added to the embeddings, NULL when unused */
     bool                 embed_noise; /* build with inp_embd_noise */
     bool                 dropout;     /* build with LoRA dropout masks (inp_dropout) */
@@ -122,6 +143,7 @@ typedef struct {
     struct ggml_tensor * layer_in[RG_MAX_LAYERS + 1]; /* each layer's input; [n_layer]: the final norm's */
     bool                 train;       /* build for autodiff (composite ops with a backward) */
     bool                 exact_ops;   /* ggml's own ops only: no fused substitutes, no outer.c kernels */
+    bool                 tiled_attention; /* attention.c's ops where they may run (rg_engine_set_attention) */
     bool                 on_cpu;      /* the weights live on the CPU: retrograd's CPU kernels (outer.c,
                                        * convert.c) may run; on another device only ggml's ops do */
     int                  matmul_mode; /* RG_MATMUL_* */
@@ -151,6 +173,18 @@ struct ggml_tensor * rg_build_layer(rg_graph_build * b, int il, struct ggml_tens
 struct ggml_tensor * rg_build_final_norm(rg_graph_build * b, struct ggml_tensor * x);
 /* Fill the causal/packing (and sliding-window) masks for a batch. */
 void rg_fill_masks(const rg_hparams * hp, const rg_batch * batch, float * mask, float * mask_swa);
+/* Set a built graph's attention inputs from a batch: the masks where a node still reads them (the
+ * composite attention), the ids and positions where attention.c's ops do. */
+rg_status rg_set_attention_inputs(const rg_graph_build * b, const rg_batch * batch);
+
+/* attention.c: layer il's attention (graph.c's composite, b->attn[il]) turned into the tiled ops
+ * after the backward is built (false: left as it is, e.g. an unexpected shape) */
+bool rg_attn_tile(rg_graph_build * b, struct ggml_cgraph * gf, int il);
+/* the I32 [T, 3] visibility input of a batch */
+void rg_attn_fill_vis(const rg_batch * batch, int32_t * out);
+/* outer.c's register tile: acc[i][j] = sum_s B[s * ldb + i * sb] V[s * ldv + j], i < nb <= 8, j < nv <= 32 */
+void rg_tile_product(const float * V, size_t ldv, const float * B, size_t ldb, size_t sb, int64_t steps, int nv, int nb,
+                     float acc[8][32]);
 
 /* A transient F16 copy of a (quantized) weight, optionally transposed (convert.c). */
 /* op kinds as counted by profiling and preflight: ggml ops, then unary ops */

@@ -497,6 +497,12 @@ class Engine(_Handle):
         """Exact composite ops everywhere (for finite-difference checks); see retrograd.h."""
         lib.rg_engine_set_exact_ops(self._ptr, int(on))
 
+    def set_attention(self, mode: str) -> None:
+        """'tiled' (default: memory grows with the tokens) or 'dense' (ggml's ops on whole score matrices)."""
+        if mode not in ("tiled", "dense"):
+            raise ValueError(f"attention must be 'tiled' or 'dense', got {mode!r}")
+        _check(lib.rg_engine_set_attention(self._ptr, lib.RG_ATTENTION_TILED if mode == "tiled" else lib.RG_ATTENTION_DENSE))
+
     def set_recompute(self, on: bool) -> None:
         """Activation checkpointing: each layer recomputed in the backward from its saved input."""
         lib.rg_engine_set_recompute(self._ptr, int(on))

@@ -173,9 +173,11 @@ def test_own_kernels_match_ggml_ops(tiny, smollm, arch):
     batch = native.Batch.next_token(toks, np.array([0] * 30 + [1] * 17, np.int32))
     coeff = np.random.default_rng(3).standard_normal(batch.n_targets).astype(np.float32)
     grads, logps = [], []
-    for exact in (True, False):
+    # ggml's ops on dense scores (the reference), outer.c's on dense scores, outer.c's with tiled attention
+    for exact, attention in ((True, "dense"), (False, "dense"), (False, "tiled")):
         tr = Trainable(path, LoraSpec(6, 12.0), threads=THREADS, seed=1)
         tr.engine.set_exact_ops(exact)
+        tr.engine.set_attention(attention)
         tr.engine.set_matmul_mode("f32")   # F16 activations would turn last-bit differences into F16 steps
         for t in tr.lora.tensors:
             tr.lora.write(t.index, np.random.default_rng(t.index).standard_normal(t.shape).astype(np.float32) * 0.05)
@@ -191,10 +193,11 @@ def test_own_kernels_match_ggml_ops(tiny, smollm, arch):
         assert ("forward" in ggml_attention) == exact
         grads.append({t.name: tr.lora.read(t.index, native.SLOT_GRAD) for t in tr.lora.tensors})
         tr.close()
-    np.testing.assert_allclose(logps[1], logps[0], atol=2e-3)      # float32 sums in another order, 30 layers
-    for name, g in grads[0].items():
-        err = np.linalg.norm(grads[1][name] - g) / max(np.linalg.norm(g), 1e-12)
-        assert err < 1e-3, f"{arch} {name}: relative difference {err:.2e} between outer.c and ggml's ops"
+    for k in (1, 2):
+        np.testing.assert_allclose(logps[k], logps[0], atol=2e-3)      # float32 sums in another order, 30 layers
+        for name, g in grads[0].items():
+            err = np.linalg.norm(grads[k][name] - g) / max(np.linalg.norm(g), 1e-12)
+            assert err < 1e-3, f"{arch} {name}: relative difference {err:.2e} between outer.c and ggml's ops"
 
 
 def test_loss_head_with_several_targets_per_row(tiny):

@@ -1,0 +1,366 @@
+/*
+ * attention.c - the training graph's attention a tile at a time, without the [tokens x tokens]
+ * scores of a head ever being stored (memory-efficient attention).
+ *
+ * graph.c builds attention as ggml ops (Q K^T, softmax, times V) so that ggml's autodiff writes its
+ * backward. Kept as they are, those ops keep every layer's [T, T] scores and softmax per head alive
+ * for the backward: 6.6 GB on an agentic GRPO step of a 135M model, 7.2 GB for one 2,048-token
+ * SFT sequence. After the backward is built, rewrite.c turns the product that makes a layer's
+ * output and the three products that make the gradients of Q, K and V into the four ops below;
+ * the score nodes lose their users and are never allocated. Each op walks the scores in tiles of
+ * RG_BQ queries by RG_BK keys:
+ *  - forward: S = scale Q K^T a tile at a time, an online softmax (running row maximum and sum),
+ *    O = P V accumulated; it also saves each row's log-sum-exp L (a [T, heads] side tensor);
+ *  - dQ:  P = exp(S - L) recomputed, dP = dO V^T, dS = P (dP - D) with D = rowsum(dO * O),
+ *    dQ = scale dS K, per (head, query tile);
+ *  - dK:  the same dS, dK = scale dS^T Q, per (key head, key tile), over the query heads that share it;
+ *  - dV:  dV = P^T dO, per (key head, key tile).
+ * Visibility (same sequence or its shared prefix, causal by position, the sliding window) is read
+ * from the batch's ids and positions (an I32 [T, 3] input), not from a [T, T] mask; a tile with no
+ * visible pair is skipped, so causal attention does about half the work of the dense products.
+ * Every product runs through outer.c's register-tiled kernel (rg_tile_product). Memory beyond the
+ * inputs and outputs: a few tiles on each thread's stack and L, [T, heads] floats a layer.
+ * CPU only: another device keeps ggml's ops (graph.c's composite).
+ */
+#include "rg_internal.h"
+
+#include <math.h>
+#include <string.h>
+
+#define RG_BQ 32            /* queries a tile */
+#define RG_BK 64            /* keys a tile */
+#define RG_HD_MAX 256       /* the largest head size the tiles hold on the stack */
+
+/* ---- small dense products over outer.c's kernel ------------------------------------------- */
+/* c[i * ldc + j] (+)= sum_s a[i * sa + s * la] v[s * lv + j] for i < m, j < n, s < steps: `a` is read
+ * with any strides (the kernel's broadcast side), `v` must be contiguous along j */
+static void mm(float * c, size_t ldc, int m, int n, const float * a, size_t sa, size_t la, const float * v, size_t lv,
+               int64_t steps, bool add) {
+    float acc[8][32];
+    for (int i0 = 0; i0 < m; i0 += 8) {
+        const int nb = m - i0 < 8 ? m - i0 : 8;
+        for (int j0 = 0; j0 < n; j0 += 32) {
+            const int nv = n - j0 < 32 ? n - j0 : 32;
+            rg_tile_product(v + j0, lv, a + (size_t) i0 * sa, la, sa, steps, nv, nb, acc);
+            for (int i = 0; i < nb; i++) {
+                float * row = c + (size_t) (i0 + i) * ldc + j0;
+                if (add) {
+                    for (int j = 0; j < nv; j++) row[j] += acc[i][j];
+                } else {
+                    memcpy(row, acc[i], sizeof(float) * (size_t) nv);
+                }
+            }
+        }
+    }
+}
+
+/* x[j] = exp(x[j]) for n values, x <= 0 or -inf (gives 0). 2^(x log2 e) split into an integer power
+ * and a polynomial on [-1/2, 1/2] (relative error below 2e-7), in a form the compiler vectorises;
+ * expf called once a score was slower than the tile products it follows. */
+static void exp_inplace(float * x, int n) {
+    for (int j = 0; j < n; j++) {
+        float t = x[j] * 1.44269504088896341f;
+        t = t < -126.0f ? -126.0f : t;
+        const float k = __builtin_floorf(t + 0.5f);
+        const float f = (t - k) * 0.69314718055994531f;
+        float p = 1.0f / 720.0f;
+        p = p * f + 1.0f / 120.0f;
+        p = p * f + 1.0f / 24.0f;
+        p = p * f + 1.0f / 6.0f;
+        p = p * f + 0.5f;
+        p = p * f + 1.0f;
+        p = p * f + 1.0f;
+        int32_t bits = ((int32_t) k + 127) << 23;
+        float scale;
+        memcpy(&scale, &bits, sizeof(scale));
+        x[j] = x[j] < -87.0f ? 0.0f : p * scale;
+    }
+}
+
+/* ---- visibility ----------------------------------------------------------------------------- */
+typedef struct {
+    const int32_t * seq, * prefix, * pos;   /* [T] each: sequence id, shared-prefix id, position */
+    int32_t         n_swa;                  /* window in positions, 0: none */
+} rg_vis;
+
+static rg_vis vis_of(const struct ggml_tensor * t, const rg_attn_params * p) {
+    const int32_t * d = (const int32_t *) t->data;
+    const int64_t T = t->ne[0];
+    return (rg_vis) { d, d + T, d + 2 * T, p->n_swa };
+}
+
+/* ok[i][j] for queries i0.. (m) and keys j0.. (n); whether any pair is visible */
+static bool visible(const rg_vis * v, int64_t i0, int m, int64_t j0, int n, uint8_t ok[RG_BQ][RG_BK]) {
+    bool any = false;
+    for (int i = 0; i < m; i++) {
+        const int32_t si = v->seq[i0 + i], pi = v->prefix[i0 + i], qi = v->pos[i0 + i];
+        for (int j = 0; j < n; j++) {
+            const int32_t sj = v->seq[j0 + j], qj = v->pos[j0 + j];
+            const bool o = (sj == si || sj == pi) && qj <= qi && (v->n_swa <= 0 || qi - qj < v->n_swa);
+            ok[i][j] = o;
+            any |= o;
+        }
+    }
+    return any;
+}
+
+void rg_attn_fill_vis(const rg_batch * batch, int32_t * out) {
+    const int T = batch->n_tokens;
+    memcpy(out, batch->seq_ids, sizeof(int32_t) * (size_t) T);
+    memcpy(out + T, batch->prefix_ids ? batch->prefix_ids : batch->seq_ids, sizeof(int32_t) * (size_t) T);
+    memcpy(out + 2 * T, batch->positions, sizeof(int32_t) * (size_t) T);
+}
+
+/* ---- the operands of one head ------------------------------------------------------------- */
+/* element (d, t, h) of a [hd, T, heads] tensor in its own strides, in floats */
+typedef struct {
+    const float * p;
+    size_t        ld;   /* between tokens */
+    size_t        lh;   /* between heads */
+} rg_rows;
+
+static rg_rows rows_of(const struct ggml_tensor * t) {
+    return (rg_rows) { (const float *) t->data, t->nb[1] / sizeof(float), t->nb[2] / sizeof(float) };
+}
+
+static const float * row(const rg_rows * r, int64_t h, int64_t t) {
+    return r->p + (size_t) h * r->lh + (size_t) t * r->ld;
+}
+
+/* sources shared by the four ops (rg_attn_*): q, k, v as [hd, T, heads] views, k and v transposed
+ * as contiguous [T, hd, kv heads], the visibility input, the log-sum-exp side tensor [T, heads];
+ * the backward ops add dO (the output's gradient) and O */
+enum { A_Q, A_K, A_V, A_KT, A_VT, A_VIS, A_LSE, A_DO, A_O, A_N };
+
+typedef struct {
+    rg_rows         q, k, v, dO, O;
+    const float   * kt, * vt;   /* [T, hd, kv heads] */
+    float         * lse;        /* [T, heads] */
+    rg_vis          vis;
+    float           scale;
+    int64_t         hd, T, H, Hkv, rep;
+} rg_attn_args;
+
+static rg_attn_args args_of(const struct ggml_tensor * dst, const rg_attn_params * p, bool backward) {
+    struct ggml_tensor * const * s = dst->src;
+    rg_attn_args a = {
+        .q = rows_of(s[A_Q]), .k = rows_of(s[A_K]), .v = rows_of(s[A_V]),
+        .kt = (const float *) s[A_KT]->data, .vt = (const float *) s[A_VT]->data,
+        .lse = (float *) s[A_LSE]->data, .vis = vis_of(s[A_VIS], p), .scale = p->scale,
+        .hd = s[A_Q]->ne[0], .T = s[A_Q]->ne[1], .H = s[A_Q]->ne[2], .Hkv = s[A_K]->ne[2],
+    };
+    a.rep = a.H / a.Hkv;
+    if (backward) {
+        a.dO = rows_of(s[A_DO]);
+        a.O = rows_of(s[A_O]);
+    }
+    return a;
+}
+
+/* S = scale q k^T for queries i0.. (m) of head h and keys j0.. (n); masked pairs -inf */
+static void scores(const rg_attn_args * a, int64_t h, int64_t i0, int m, int64_t j0, int n,
+                   uint8_t ok[RG_BQ][RG_BK], float S[RG_BQ][RG_BK]) {
+    const int64_t g = h / a->rep;
+    mm(&S[0][0], RG_BK, m, n, row(&a->q, h, i0), a->q.ld, 1, a->kt + (size_t) g * a->hd * a->T + j0, a->T, a->hd, false);
+    for (int i = 0; i < m; i++) {
+        for (int j = 0; j < n; j++) S[i][j] = ok[i][j] ? S[i][j] * a->scale : -INFINITY;
+    }
+}
+
+/* P = exp(S - L) (the softmax, from the saved row statistics) and, when dS is wanted,
+ * dS = P (dO v^T - D), D = rowsum(dO * O) */
+static void probs(const rg_attn_args * a, int64_t h, int64_t i0, int m, int64_t j0, int n,
+                  float S[RG_BQ][RG_BK], float (*dS)[RG_BK]) {
+    for (int i = 0; i < m; i++) {
+        const float L = a->lse[(size_t) h * a->T + i0 + i];
+        for (int j = 0; j < n; j++) S[i][j] -= L;
+        exp_inplace(S[i], n);
+    }
+    if (!dS) return;
+    const int64_t g = h / a->rep;
+    mm(&dS[0][0], RG_BK, m, n, row(&a->dO, h, i0), a->dO.ld, 1, a->vt + (size_t) g * a->hd * a->T + j0, a->T, a->hd, false);
+    for (int i = 0; i < m; i++) {
+        const float * o = row(&a->O, h, i0 + i), * d = row(&a->dO, h, i0 + i);
+        float D = 0.0f;
+        for (int64_t c = 0; c < a->hd; c++) D += o[c] * d[c];
+        for (int j = 0; j < n; j++) dS[i][j] = S[i][j] * (dS[i][j] - D);
+    }
+}
+
+static int min_int(int64_t a, int b) {
+    return a < b ? (int) a : b;
+}
+
+/* ---- forward ---------------------------------------------------------------------------- */
+static void attn_forward(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const rg_attn_args a = args_of(dst, userdata, false);
+    const int64_t nqb = (a.T + RG_BQ - 1) / RG_BQ;
+    const size_t ld_out = dst->nb[1] / sizeof(float), lh_out = dst->nb[2] / sizeof(float);
+    uint8_t ok[RG_BQ][RG_BK];
+    float S[RG_BQ][RG_BK], O[RG_BQ][RG_HD_MAX], mx[RG_BQ], l[RG_BQ];
+    /* units dealt round robin, query tile major: the later tiles of a causal mask cost more */
+    for (int64_t u = ith; u < nqb * a.H; u += nth) {
+        const int64_t h = u % a.H, i0 = (u / a.H) * RG_BQ, g = h / a.rep;
+        const int m = min_int(a.T - i0, RG_BQ);
+        for (int i = 0; i < m; i++) {
+            mx[i] = -INFINITY;
+            l[i] = 0.0f;
+            memset(O[i], 0, sizeof(float) * (size_t) a.hd);
+        }
+        for (int64_t j0 = 0; j0 < a.T; j0 += RG_BK) {
+            const int n = min_int(a.T - j0, RG_BK);
+            if (!visible(&a.vis, i0, m, j0, n, ok)) continue;
+            scores(&a, h, i0, m, j0, n, ok, S);
+            for (int i = 0; i < m; i++) {
+                float top = mx[i];
+                for (int j = 0; j < n; j++) top = S[i][j] > top ? S[i][j] : top;
+                if (top == -INFINITY) {         /* nothing visible in this row of the tile */
+                    memset(S[i], 0, sizeof(float) * (size_t) n);
+                    continue;
+                }
+                float shift = mx[i] - top;      /* the earlier tiles' terms, rescaled to the new maximum */
+                exp_inplace(&shift, 1);
+                for (int j = 0; j < n; j++) S[i][j] -= top;
+                exp_inplace(S[i], n);
+                float sum = 0.0f;
+                for (int j = 0; j < n; j++) sum += S[i][j];
+                l[i] = l[i] * shift + sum;
+                if (shift != 1.0f) {
+                    for (int64_t c = 0; c < a.hd; c++) O[i][c] *= shift;
+                }
+                mx[i] = top;
+            }
+            mm(&O[0][0], RG_HD_MAX, m, (int) a.hd, &S[0][0], RG_BK, 1, a.v.p + (size_t) g * a.v.lh + (size_t) j0 * a.v.ld,
+               a.v.ld, n, true);
+        }
+        for (int i = 0; i < m; i++) {
+            float * out = (float *) dst->data + (size_t) h * lh_out + (size_t) (i0 + i) * ld_out;
+            const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+            for (int64_t c = 0; c < a.hd; c++) out[c] = O[i][c] * inv;
+            /* a row that sees nothing (none in practice: a row sees itself) gets probabilities 0 */
+            a.lse[(size_t) h * a.T + i0 + i] = l[i] > 0.0f ? mx[i] + logf(l[i]) : INFINITY;
+        }
+    }
+}
+
+/* ---- dQ ------------------------------------------------------------------------------------- */
+static void attn_grad_q(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const rg_attn_args a = args_of(dst, userdata, true);
+    const int64_t nqb = (a.T + RG_BQ - 1) / RG_BQ;
+    const size_t ld_out = dst->nb[1] / sizeof(float), lh_out = dst->nb[2] / sizeof(float);
+    uint8_t ok[RG_BQ][RG_BK];
+    float S[RG_BQ][RG_BK], dS[RG_BQ][RG_BK], dQ[RG_BQ][RG_HD_MAX];
+    for (int64_t u = ith; u < nqb * a.H; u += nth) {
+        const int64_t h = u % a.H, i0 = (u / a.H) * RG_BQ, g = h / a.rep;
+        const int m = min_int(a.T - i0, RG_BQ);
+        for (int i = 0; i < m; i++) memset(dQ[i], 0, sizeof(float) * (size_t) a.hd);
+        for (int64_t j0 = 0; j0 < a.T; j0 += RG_BK) {
+            const int n = min_int(a.T - j0, RG_BK);
+            if (!visible(&a.vis, i0, m, j0, n, ok)) continue;
+            scores(&a, h, i0, m, j0, n, ok, S);
+            probs(&a, h, i0, m, j0, n, S, dS);
+            mm(&dQ[0][0], RG_HD_MAX, m, (int) a.hd, &dS[0][0], RG_BK, 1, a.k.p + (size_t) g * a.k.lh + (size_t) j0 * a.k.ld,
+               a.k.ld, n, true);
+        }
+        for (int i = 0; i < m; i++) {
+            float * out = (float *) dst->data + (size_t) h * lh_out + (size_t) (i0 + i) * ld_out;
+            for (int64_t c = 0; c < a.hd; c++) out[c] = dQ[i][c] * a.scale;
+        }
+    }
+}
+
+/* ---- dK and dV: per key head and key tile, over the query heads that share the key head ---------- */
+static void attn_grad_kv(struct ggml_tensor * dst, int ith, int nth, void * userdata, bool want_k) {
+    const rg_attn_args a = args_of(dst, userdata, true);
+    const int64_t nkb = (a.T + RG_BK - 1) / RG_BK;
+    uint8_t ok[RG_BQ][RG_BK];
+    float S[RG_BQ][RG_BK], dS[RG_BQ][RG_BK], acc[RG_BK][RG_HD_MAX];
+    for (int64_t u = ith; u < nkb * a.Hkv; u += nth) {
+        const int64_t g = u % a.Hkv, j0 = (u / a.Hkv) * RG_BK;
+        const int n = min_int(a.T - j0, RG_BK);
+        for (int j = 0; j < n; j++) memset(acc[j], 0, sizeof(float) * (size_t) a.hd);
+        for (int64_t h = g * a.rep; h < (g + 1) * a.rep; h++) {
+            for (int64_t i0 = 0; i0 < a.T; i0 += RG_BQ) {
+                const int m = min_int(a.T - i0, RG_BQ);
+                if (!visible(&a.vis, i0, m, j0, n, ok)) continue;
+                scores(&a, h, i0, m, j0, n, ok, S);
+                probs(&a, h, i0, m, j0, n, S, want_k ? dS : NULL);
+                /* dK += dS^T q, dV += P^T dO: the tile read down its columns */
+                const rg_rows * r = want_k ? &a.q : &a.dO;
+                mm(&acc[0][0], RG_HD_MAX, n, (int) a.hd, want_k ? &dS[0][0] : &S[0][0], 1, RG_BK, row(r, h, i0), r->ld, m, true);
+            }
+        }
+        float * out = (float *) dst->data;
+        for (int j = 0; j < n; j++) {
+            for (int64_t c = 0; c < a.hd; c++) {
+                if (want_k) {   /* dst [hd, T, kv heads] */
+                    out[((size_t) g * a.T + j0 + j) * a.hd + c] = acc[j][c] * a.scale;
+                } else {        /* dst [T, hd, kv heads], as vt */
+                    out[((size_t) g * a.hd + c) * a.T + j0 + j] = acc[j][c];
+                }
+            }
+        }
+    }
+}
+
+static void attn_grad_k(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    attn_grad_kv(dst, ith, nth, userdata, true);
+}
+
+static void attn_grad_v(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    attn_grad_kv(dst, ith, nth, userdata, false);
+}
+
+/* ---- the rewrite -------------------------------------------------------------------------- */
+static bool same_shape(const struct ggml_tensor * t, int64_t n0, int64_t n1, int64_t n2) {
+    return t->ne[0] == n0 && t->ne[1] == n1 && t->ne[2] == n2 && t->ne[3] == 1 && ggml_is_contiguous(t) &&
+           t->type == GGML_TYPE_F32;
+}
+
+static void become(struct ggml_tensor * node, const struct ggml_tensor * op) {
+    node->op = op->op;
+    memcpy(node->op_params, op->op_params, sizeof(node->op_params));
+    for (int j = 0; j < GGML_MAX_SRC; j++) node->src[j] = op->src[j];
+}
+
+bool rg_attn_tile(rg_graph_build * b, struct ggml_cgraph * gf, int il) {
+    rg_attn_nodes * A = &b->attn[il];
+    if (!A->kqv || !b->inp_vis) return false;
+    struct ggml_context * ctx = b->ctx;
+    const int64_t hd = A->q->ne[0], T = A->q->ne[1], H = A->q->ne[2], Hkv = A->k->ne[2];
+    if (hd > RG_HD_MAX || A->q->type != GGML_TYPE_F32 || A->k->type != GGML_TYPE_F32 || A->v->type != GGML_TYPE_F32 ||
+        A->q->nb[0] != sizeof(float) || A->k->nb[0] != sizeof(float) || A->v->nb[0] != sizeof(float) ||
+        !same_shape(A->kqv, hd, T, H) || H % Hkv != 0) {
+        return false;
+    }
+    struct ggml_tensor * dO = ggml_graph_get_grad(gf, A->kqv);
+    struct ggml_tensor * gq = ggml_graph_get_grad(gf, A->q);
+    struct ggml_tensor * gk = ggml_graph_get_grad(gf, A->k);
+    struct ggml_tensor * gv = ggml_graph_get_grad(gf, A->vt);
+    if ((gq || gk || gv) && (!dO || dO->type != GGML_TYPE_F32 || dO->nb[0] != sizeof(float) || dO->ne[0] != hd ||
+                             dO->ne[1] != T || dO->ne[2] != H)) {
+        return false;
+    }
+    if ((gq && !same_shape(gq, hd, T, H)) || (gk && !same_shape(gk, hd, T, Hkv)) || (gv && !same_shape(gv, T, hd, Hkv))) {
+        return false;
+    }
+    struct ggml_tensor * src[A_N];
+    src[A_Q] = A->q;
+    src[A_K] = A->k;
+    src[A_V] = ggml_permute(ctx, A->v, 0, 2, 1, 3);                     /* [hd, T, kv heads] */
+    src[A_KT] = ggml_cont(ctx, ggml_permute(ctx, A->k_rope, 1, 2, 0, 3)); /* [T, hd, kv heads] */
+    src[A_VT] = A->vt;
+    src[A_VIS] = b->inp_vis;
+    src[A_LSE] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, T, H);
+    ggml_format_name(src[A_LSE], "attn_lse-%d", il);
+    src[A_DO] = dO;
+    src[A_O] = A->kqv;
+    /* the op's userdata must outlive the graph: it lives in the build, beside the graph */
+    b->attn_params[il] = (rg_attn_params) { A->scale, A->n_swa };
+    void * ud = &b->attn_params[il];
+    become(A->kqv, ggml_custom_4d(ctx, GGML_TYPE_F32, hd, T, H, 1, src, A_LSE + 1, attn_forward, GGML_N_TASKS_MAX, ud));
+    if (gq) become(gq, ggml_custom_4d(ctx, GGML_TYPE_F32, hd, T, H, 1, src, A_N, attn_grad_q, GGML_N_TASKS_MAX, ud));
+    if (gk) become(gk, ggml_custom_4d(ctx, GGML_TYPE_F32, hd, T, Hkv, 1, src, A_N, attn_grad_k, GGML_N_TASKS_MAX, ud));
+    if (gv) become(gv, ggml_custom_4d(ctx, GGML_TYPE_F32, T, hd, Hkv, 1, src, A_N, attn_grad_v, GGML_N_TASKS_MAX, ud));
+    return true;
+}
