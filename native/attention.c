@@ -13,8 +13,8 @@
  *    O = P V accumulated; it also saves each row's log-sum-exp L (a [T, heads] side tensor);
  *  - dQ:  P = exp(S - L) recomputed, dP = dO V^T, dS = P (dP - D) with D = rowsum(dO * O),
  *    dQ = scale dS K, per (head, query tile);
- *  - dK:  the same dS, dK = scale dS^T Q, per (key head, key tile), over the query heads that share it;
- *  - dV:  dV = P^T dO, per (key head, key tile).
+ *  - dK and dV in one pass: the same P and dS, dK = scale dS^T Q, dV = P^T dO, per (key head, key
+ *    tile), over the query heads that share the key head.
  * Visibility (same sequence or its shared prefix, causal by position, the sliding window) is read
  * from the batch's ids and positions (an I32 [T, 3] input), not from a [T, T] mask; a tile with no
  * visible pair is skipped, so causal attention does about half the work of the dense products.
@@ -55,13 +55,18 @@ static void mm(float * c, size_t ldc, int m, int n, const float * a, size_t sa, 
 }
 
 /* x[j] = exp(x[j]) for n values, x <= 0 or -inf (gives 0). 2^(x log2 e) split into an integer power
- * and a polynomial on [-1/2, 1/2] (relative error below 2e-7), in a form the compiler vectorises;
- * expf called once a score was slower than the tile products it follows. */
+ * (rounded by adding and subtracting 1.5 * 2^23, which needs no SSE4.1 floor) and a polynomial on
+ * [-1/2, 1/2] (relative error below 2e-7), in a form the compiler vectorises; expf called once a
+ * score was slower than the tile products it follows. x86-64 builds carry AVX2 and AVX-512 copies,
+ * picked at load time. */
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
 static void exp_inplace(float * x, int n) {
     for (int j = 0; j < n; j++) {
         float t = x[j] * 1.44269504088896341f;
         t = t < -126.0f ? -126.0f : t;
-        const float k = __builtin_floorf(t + 0.5f);
+        const float k = (t + 12582912.0f) - 12582912.0f;
         const float f = (t - k) * 0.69314718055994531f;
         float p = 1.0f / 720.0f;
         p = p * f + 1.0f / 120.0f;
@@ -70,7 +75,7 @@ static void exp_inplace(float * x, int n) {
         p = p * f + 0.5f;
         p = p * f + 1.0f;
         p = p * f + 1.0f;
-        int32_t bits = ((int32_t) k + 127) << 23;
+        const int32_t bits = ((int32_t) k + 127) << 23;
         float scale;
         memcpy(&scale, &bits, sizeof(scale));
         x[j] = x[j] < -87.0f ? 0.0f : p * scale;
@@ -270,45 +275,40 @@ static void attn_grad_q(struct ggml_tensor * dst, int ith, int nth, void * userd
 }
 
 /* ---- dK and dV: per key head and key tile, over the query heads that share the key head ---------- */
-static void attn_grad_kv(struct ggml_tensor * dst, int ith, int nth, void * userdata, bool want_k) {
+/* dst: [hd * T * kv heads * 2] floats, dK ([hd, T, kv heads]) then dV ([T, hd, kv heads], as vt): one
+ * pass computes both from the same probabilities; the rewrite gives each its own view */
+static void attn_grad_kv(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     const rg_attn_args a = args_of(dst, userdata, true);
     const int64_t nkb = (a.T + RG_BK - 1) / RG_BK;
     uint8_t ok[RG_BQ][RG_BK];
-    float S[RG_BQ][RG_BK], dS[RG_BQ][RG_BK], acc[RG_BK][RG_HD_MAX];
+    float S[RG_BQ][RG_BK], dS[RG_BQ][RG_BK], dK[RG_BK][RG_HD_MAX], dV[RG_BK][RG_HD_MAX];
+    float * out_k = (float *) dst->data, * out_v = out_k + (size_t) a.hd * a.T * a.Hkv;
     for (int64_t u = ith; u < nkb * a.Hkv; u += nth) {
         const int64_t g = u % a.Hkv, j0 = (u / a.Hkv) * RG_BK;
         const int n = min_int(a.T - j0, RG_BK);
-        for (int j = 0; j < n; j++) memset(acc[j], 0, sizeof(float) * (size_t) a.hd);
+        for (int j = 0; j < n; j++) {
+            memset(dK[j], 0, sizeof(float) * (size_t) a.hd);
+            memset(dV[j], 0, sizeof(float) * (size_t) a.hd);
+        }
         for (int64_t h = g * a.rep; h < (g + 1) * a.rep; h++) {
             for (int64_t i0 = 0; i0 < a.T; i0 += RG_BQ) {
                 const int m = min_int(a.T - i0, RG_BQ);
                 if (!visible(&a.vis, i0, m, j0, n, ok)) continue;
                 scores(&a, h, i0, m, j0, n, ok, S);
-                probs(&a, h, i0, m, j0, n, S, want_k ? dS : NULL);
-                /* dK += dS^T q, dV += P^T dO: the tile read down its columns */
-                const rg_rows * r = want_k ? &a.q : &a.dO;
-                mm(&acc[0][0], RG_HD_MAX, n, (int) a.hd, want_k ? &dS[0][0] : &S[0][0], 1, RG_BK, row(r, h, i0), r->ld, m, true);
+                probs(&a, h, i0, m, j0, n, S, dS);
+                /* dV += P^T dO, dK += dS^T q: the tiles read down their columns */
+                mm(&dV[0][0], RG_HD_MAX, n, (int) a.hd, &S[0][0], 1, RG_BK, row(&a.dO, h, i0), a.dO.ld, m, true);
+                mm(&dK[0][0], RG_HD_MAX, n, (int) a.hd, &dS[0][0], 1, RG_BK, row(&a.q, h, i0), a.q.ld, m, true);
             }
         }
-        float * out = (float *) dst->data;
         for (int j = 0; j < n; j++) {
+            float * k = out_k + ((size_t) g * a.T + j0 + j) * a.hd;
             for (int64_t c = 0; c < a.hd; c++) {
-                if (want_k) {   /* dst [hd, T, kv heads] */
-                    out[((size_t) g * a.T + j0 + j) * a.hd + c] = acc[j][c] * a.scale;
-                } else {        /* dst [T, hd, kv heads], as vt */
-                    out[((size_t) g * a.hd + c) * a.T + j0 + j] = acc[j][c];
-                }
+                k[c] = dK[j][c] * a.scale;
+                out_v[((size_t) g * a.hd + c) * a.T + j0 + j] = dV[j][c];
             }
         }
     }
-}
-
-static void attn_grad_k(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    attn_grad_kv(dst, ith, nth, userdata, true);
-}
-
-static void attn_grad_v(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    attn_grad_kv(dst, ith, nth, userdata, false);
 }
 
 /* ---- the rewrite -------------------------------------------------------------------------- */
@@ -360,7 +360,17 @@ bool rg_attn_tile(rg_graph_build * b, struct ggml_cgraph * gf, int il) {
     void * ud = &b->attn_params[il];
     become(A->kqv, ggml_custom_4d(ctx, GGML_TYPE_F32, hd, T, H, 1, src, A_LSE + 1, attn_forward, GGML_N_TASKS_MAX, ud));
     if (gq) become(gq, ggml_custom_4d(ctx, GGML_TYPE_F32, hd, T, H, 1, src, A_N, attn_grad_q, GGML_N_TASKS_MAX, ud));
-    if (gk) become(gk, ggml_custom_4d(ctx, GGML_TYPE_F32, hd, T, Hkv, 1, src, A_N, attn_grad_k, GGML_N_TASKS_MAX, ud));
-    if (gv) become(gv, ggml_custom_4d(ctx, GGML_TYPE_F32, T, hd, Hkv, 1, src, A_N, attn_grad_v, GGML_N_TASKS_MAX, ud));
+    if (gk || gv) {
+        /* dK and dV in one pass (they share the recomputed probabilities), each node a copy of its half */
+        const int64_t n = hd * T * Hkv;
+        struct ggml_tensor * kv = ggml_custom_4d(ctx, GGML_TYPE_F32, 2 * n, 1, 1, 1, src, A_N, attn_grad_kv,
+                                                 GGML_N_TASKS_MAX, ud);
+        ggml_format_name(kv, "attn_grad_kv-%d", il);
+        if (gk) become(gk, ggml_cont(ctx, ggml_view_3d(ctx, kv, hd, T, Hkv, hd * sizeof(float), hd * T * sizeof(float), 0)));
+        if (gv) {
+            become(gv, ggml_cont(ctx, ggml_view_3d(ctx, kv, T, hd, Hkv, T * sizeof(float), T * hd * sizeof(float),
+                                                   (size_t) n * sizeof(float))));
+        }
+    }
     return true;
 }
