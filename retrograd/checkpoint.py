@@ -143,7 +143,7 @@ def load(state_dir: Path, trainable) -> dict:
 
 
 # what a finished or interrupted run leaves in its run directory and in its checkpoint directory
-RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "adapter.gguf", "merged.gguf")
+RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "adapter.gguf", "merged.gguf", "trackers.json", "tensorboard")
 CHECKPOINT_GLOBS = ("step-*.state", "step-*.gguf", "best.state", "best.gguf", "latest")
 
 

@@ -24,7 +24,7 @@ NOT_BUILT: dict[str, str] = {c: _NOT_BUILT[c] for c in ("scenarios", "judge", "c
 #: command -> module under retrograd.commands whose run(args) carries it out
 COMMANDS = {"train": "train", "bench": "bench", "chat": "chat", "serve": "serve", "inspect": "inspect",
             "preflight": "inspect", "distill-teacher": "distill_teacher", "models": "models", "tools": "tools",
-            "collect": "collect", "judge": "judge", "scenarios": "scenarios"}
+            "collect": "collect", "judge": "judge", "scenarios": "scenarios", "export": "export"}
 
 
 def _common(p: argparse.ArgumentParser, config: bool = True) -> None:
@@ -109,7 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "weights are chosen like chat: the adapter the configuration trains unless --adapter, "
                                    "--checkpoint (the adapter exported beside a .state directory) or --base-only. The "
                                    "base model is served beside it as 'base'. Binding anything but a loopback address "
-                                   "requires --api-key (clients send Authorization: Bearer KEY).")
+                                   "requires --api-key (clients send Authorization: Bearer KEY). Concurrent requests "
+                                   "are decoded together, [serving].parallel at a time (default 8); [serving].queue "
+                                   "more may wait (beyond: 429), each at most [serving].wait_seconds (then 503). GET "
+                                   "/health reports how many are decoding and waiting.")
     _common(p)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--adapter", metavar="ADAPTER.gguf", help="serve this adapter (or a checkpoint's .state directory)")
@@ -120,6 +123,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", metavar="KEY", help="require Authorization: Bearer KEY")
     p.add_argument("--model-name", metavar="NAME", help="model id (default: the adapter's file name)")
+
+    p = sub.add_parser("export", help="merge the adapter into the base model and write one quantized GGUF",
+                       description="Merge the adapter (LoRA or DoRA; --adapter, --checkpoint, else the run's "
+                                   "adapter.gguf) into the base model's weights in F32 and write one GGUF that any "
+                                   "llama.cpp-based runtime loads alone, quantized by llama.cpp's own quantizer; the "
+                                   "base's metadata, tokenizer and chat template are kept. The file is written under a "
+                                   "temporary name and renamed when complete. When the configuration has evaluation "
+                                   "data, the end prints the file's held-out perplexity against base + adapter "
+                                   "(docs/export.md).")
+    p.add_argument("config", help="run configuration (TOML)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--adapter", metavar="A", help="the adapter to merge (a GGUF, or a checkpoint's .state directory)")
+    g.add_argument("--checkpoint", metavar="best|latest|step-N", help="the adapter of this checkpoint of the run")
+    p.add_argument("--out", required=True, metavar="FILE.gguf", help="the GGUF to write")
+    p.add_argument("--type", default="q8_0", metavar="TYPE",
+                   help="q4_k_m, q5_k_m, q6_k, q8_0 (default), f16, or same (each tensor keeps the base's type)")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    p.add_argument("--ollama", metavar="NAME", help="also write FILE.Modelfile for Ollama and print the "
+                                                   "`ollama create NAME` command")
+    p.add_argument("--model", metavar="M", help="use this GGUF instead of [model].path")
 
     p = sub.add_parser("distill-teacher", help="write the teacher's top-k predictions for offline distillation",
                        description="Run the teacher over the data once and write its top-k next-token ids and "

@@ -27,6 +27,7 @@ else:  # pragma: no cover
 from retrograd.sections import (  # noqa: F401 - the sections are part of the configuration's interface
     ALGORITHMS,
     TARGETS,
+    TRACKERS,
     AgentSection,
     CheckpointSection,
     DataSection,
@@ -190,6 +191,10 @@ def _cross_check(cfg: Config, label: str) -> None:
     bad = [t for t in cfg.lora.targets if t not in TARGETS]
     if bad or not cfg.lora.targets:
         raise ConfigError(f"{label}: [lora].targets: expected some of {', '.join(TARGETS)}, got {cfg.lora.targets!r}")
+    bad = [t for t in cfg.run.report_to if t not in TRACKERS]
+    if bad or len(set(cfg.run.report_to)) != len(cfg.run.report_to):
+        raise ConfigError(f"{label}: [run].report_to: expected distinct entries of {', '.join(TRACKERS)}, got "
+                          f"{cfg.run.report_to!r}")
     if cfg.training.neftune_alpha > 0 and cfg.run.algorithm != "sft":
         raise ConfigError(f"{label}: [training].neftune_alpha applies to sft only (noise on the inputs of "
                           f"supervised examples), not to {cfg.run.algorithm}")

@@ -7,7 +7,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TextIO
 
@@ -69,11 +69,14 @@ class MetricsLog:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.on_append: Callable[[dict], None] | None = None     # the experiment trackers (trackers.py)
 
     def append(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
             f.flush()
+        if self.on_append is not None:
+            self.on_append(record)
 
     def truncate_after(self, step: int) -> None:
         """On resume, forget lines logged after the checkpoint (they will be redone)."""

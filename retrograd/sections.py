@@ -12,6 +12,8 @@ from typing import Any
 ALGORITHMS = ("sft", "grpo", "ppo", "distill", "preference", "agent_grpo")
 #: LoRA targets; the config layer cannot load the C library, so a test checks these equal native.TARGETS
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+#: experiment trackers [run].report_to accepts, each installed by the extra of the same name
+TRACKERS = ("tensorboard", "mlflow", "wandb", "trackio")
 
 
 def opt(default: Any = None, help: str = "", *, choices: tuple = (), min: float | None = None,
@@ -56,6 +58,9 @@ class RunSection:
     name: str = opt("", "run name (default: the config file's name)")
     output: Path | None = opt(None, "run directory (default: runs/<name> beside the config)", path=True)
     seed: int = opt(0, "seed for initialisation, data order and sampling", min=0)
+    report_to: list = opt([], "experiment trackers that also get the run's metrics, configuration and final adapter: "
+                              "tensorboard, mlflow, wandb, trackio (each installed by the extra of its name, "
+                              "pip install 'retrograd[mlflow]'; docs/trackers.md)")
 
 
 @dataclass
@@ -246,7 +251,11 @@ class ServingSection:
     enabled: bool = opt(False, "let retrograd-server serve this run's live weights while it trains")
     idle_seconds: int = opt(300, "unload a served model after this many idle seconds", min=1)
     device_wait_seconds: int = opt(0, "how long a load may wait for a device a run holds (0: refuse)", min=0)
-    queue: int = opt(8, "requests waiting beyond this get HTTP 429", min=1)
+    queue: int = opt(8, "requests waiting for a decoding slot beyond the parallel ones; more get HTTP 429", min=1)
+    parallel: int = opt(0, "sequences decoded together in one batch (continuous batching; the KV cache holds "
+                           "parallel x ctx cells; 0: 8, fewer when ctx > 4096; 1: one request at a time)", min=0,
+                        max=256)
+    wait_seconds: int = opt(120, "a request waiting longer than this for a decoding slot gets HTTP 503", min=1)
     max_body_bytes: int = opt(4 << 20, "largest request body accepted (HTTP 413 beyond)", min=1024)
 
 

@@ -25,6 +25,7 @@ from retrograd.fsutil import atomic_write
 from retrograd.logs import log
 from retrograd.report import MetricsLog, Progress, plot_run
 from retrograd.run_setup import checkpoint_dir
+from retrograd.trackers import Trackers, check_installed
 
 MAX_NONFINITE = 5
 
@@ -78,6 +79,7 @@ class Trainer:
         self.nonfinite = 0
         self.on_step: StepCallback | None = None
         self.total = 0
+        self.trackers: Trackers | None = None      # [run].report_to, fed by self.metrics
 
     # ---- state -------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -206,6 +208,10 @@ def train(ctx: RunContext, resume: Path | bool | None = None, on_step: StepCallb
         trainer.on_step = on_step
         try:
             return _train(ctx, trainer, resume)
+        except BaseException as exc:
+            if trainer.trackers is not None:    # a stopped run continues with --resume
+                trainer.trackers.finish(ok=isinstance(exc, RunStopped))
+            raise
         finally:
             trainer.recipe.close()          # tool servers, teachers, generators
 
@@ -221,6 +227,11 @@ def _train(ctx: RunContext, trainer: Trainer, resume: Path | bool | None) -> dic
     progress = Progress(total, trainer.global_step, every=cfg.training.log_every)
     for note in ctx.notes:
         progress.note(note)
+    if cfg.run.report_to:
+        check_installed(cfg.run.report_to, str(cfg.source or "<config>"))
+        trainer.trackers = Trackers(cfg.run.report_to, ctx.out, cfg.run.name or ctx.out.name, cfg.to_dict(),
+                                    resume=bool(resume), already=len(trainer.metrics.read()), warn=progress.note)
+        trainer.metrics.on_append = trainer.trackers
     if ctx.cluster is not None:
         ctx.cluster.note = progress.note      # worker deaths and replacements, as they happen
     preflight_check(ctx, progress.note)
@@ -243,6 +254,9 @@ def _train(ctx: RunContext, trainer: Trainer, resume: Path | bool | None) -> dic
     ctx.trainable.save_adapter(ctx.out / "adapter.gguf")
     merged = export_merged(ctx, progress) if ctx.trainable.spec.dora else {}
     png = plot_run(ctx.out)
+    if trainer.trackers is not None:
+        trainer.trackers.artifacts([ctx.out / "adapter.gguf", *([Path(merged["merged"])] if merged else [])])
+        merged["tracker_errors"] = trainer.trackers.finish()
     return {"steps": trainer.global_step, "adapter": str(ctx.out / "adapter.gguf"), "metrics": str(trainer.metrics.path),
             "plot": str(png) if png else None, "seconds": time.monotonic() - t0, **merged,
             **{k: v for k, v in last.items() if isinstance(v, float) and not np.isnan(v)}}

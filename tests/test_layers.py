@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "retrograd"
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "fsutil", "_pins", "features", "batch", "models", "logs", "memory"),  # no dependencies on the rest
     ("config", "sections"),
-    ("run_setup", "report"),
+    ("run_setup", "report", "trackers"),
     ("data",),
     ("native",),
     ("adapter", "engine", "checkpoint", "teacher", "context"),      # the trainable model and its files
