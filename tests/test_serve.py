@@ -1,4 +1,6 @@
-"""`retrograd serve` on the real default model, reached with the openai SDK."""
+"""`retrograd serve` on the real default model, reached with the openai SDK: the routes, tool calls,
+refusals, and continuous batching (concurrent requests answer what each answers alone; a client
+that hangs up frees its slot; the 429 and 503 rules of [serving].queue and wait_seconds)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -29,16 +32,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def health(url: str) -> dict:
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def with_serving(run_dir: Path, name: str, serving: str) -> Path:
+    """The run's configuration with a [serving] section of its own."""
+    cfg = run_dir / name
+    cfg.write_text((run_dir / "run.toml").read_text() + f"\n[serving]\n{serving}\n")
+    return cfg
+
+
 def start(config: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "RETRO_THREADS": str(THREADS)}
+    # stderr to a file: a pipe nobody reads would block the server once it filled up
+    err = open(config.parent / f"serve-{port}.stderr", "w+")
     p = subprocess.Popen([sys.executable, "-m", "retrograd.cli", "serve", str(config), "--port", str(port), *extra],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                         stdout=subprocess.DEVNULL, stderr=err, text=True, env=env)
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.time() + 120
     while time.time() < deadline:
         if p.poll() is not None:
-            raise AssertionError(p.stderr.read())
+            raise AssertionError(Path(err.name).read_text())
         try:
             urllib.request.urlopen(url + "/models", timeout=1)
             return p, url
@@ -213,3 +230,117 @@ def test_malformed_tool_calls_are_reported_not_raised():
     assert not p.calls and "unknown tool 'nope'" in p.errors[0]
     p = parse("```tool_code\nimport os\n```")
     assert not p.calls and p.errors
+
+
+# ---- continuous batching ----------------------------------------------------------------------
+STORY = [{"role": "user", "content": "Tell me a long story about a dragon."}]
+COUNT = [{"role": "user", "content": "Count from 1 to 20."}]
+BURST = [   # each client's own model (adapter group), sampler, seed, stop strings, tools and streaming
+    dict(model="tuned", messages=[{"role": "user", "content": "What is the weather in Oslo?"}], tools=[WEATHER],
+         temperature=0, max_tokens=48),
+    dict(model="tuned", messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=24, stream=True),
+    dict(model="tuned", messages=STORY, temperature=0.9, seed=7, max_tokens=32),
+    dict(model="tuned", messages=STORY, temperature=0.9, seed=8, top_p=0.9, max_tokens=32),
+    dict(model="tuned", messages=COUNT, temperature=0, stop=["5", "\n\n"], max_tokens=40),
+    dict(model="tuned", messages=STORY, temperature=0.7, seed=3, max_tokens=28, stream=True, stop=[" the "]),
+    dict(model="base", messages=COUNT, temperature=0, max_tokens=32),
+    dict(model="base", messages=STORY, temperature=1.0, seed=11, max_tokens=24, stream=True),
+]
+
+
+def ask(url: str, kw: dict) -> tuple:
+    """What a client sees of one answer: text, tool calls, finish reason (and tokens, unless streamed)."""
+    c = client(url)
+    if kw.get("stream"):
+        chunks = list(c.chat.completions.create(**kw))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        return text, None, chunks[-1].choices[0].finish_reason, None
+    r = c.chat.completions.create(**kw)
+    m = r.choices[0].message
+    calls = [(t.function.name, t.function.arguments) for t in m.tool_calls or []]
+    return m.content, calls, r.choices[0].finish_reason, r.usage.completion_tokens
+
+
+def test_concurrent_requests_answer_what_each_answers_alone(server):
+    alone = [ask(server, kw) for kw in BURST]
+    assert alone[0][1] and alone[0][2] == "tool_calls"          # the tuned adapter calls its tool
+    assert alone[4][2] == "stop" and "5" not in alone[4][0]       # cut before the stop string
+    pieces = list(client(server).chat.completions.create(**BURST[1]))
+    assert len(pieces) > 3                                        # streamed as it is decoded, not in one piece
+    seen = []
+    with ThreadPoolExecutor(len(BURST) + 1) as pool:
+        futures = [pool.submit(ask, server, kw) for kw in BURST]
+        while not all(f.done() for f in futures):
+            seen.append(health(server)["decoding"])
+            time.sleep(0.05)
+        together = [f.result() for f in futures]
+    assert max(seen) >= 2, seen                                   # they were decoded together
+    for kw, a, b in zip(BURST, alone, together):
+        if kw["temperature"] == 0:
+            assert a == b, (kw, a, b)          # greedy: exactly what it answers alone
+        else:
+            # sampled: its own seed and settings, but llama.cpp's attention over a batch that holds
+            # other sequences' cells rounds differently, and one different draw changes the rest
+            # (docs/server.md, "Results"); a whole, well-formed answer within its limits
+            assert b[0] and b[2] in ("stop", "length"), (kw, b)
+            assert b[3] is None or b[3] <= kw["max_tokens"]
+            if kw.get("stop"):
+                assert not any(x in b[0] for x in kw["stop"]), (kw, b)
+    h = health(server)
+    assert h["decoding"] == 0 and h["waiting"] == 0 and h["parallel"] >= 2
+
+
+def long_stream(url: str) -> socket.socket:
+    """A streaming request for many tokens, sent on a raw socket; returns once its first tokens arrived."""
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    body = json.dumps({"model": "base", "stream": True, "max_tokens": 900, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Count from 1 to 1000."}]}).encode()
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while got.count(b"data: ") < 3:
+        got += s.recv(4096)
+    return s
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(run_dir):
+    p, url = start(with_serving(run_dir, "one.toml", "parallel = 1\nqueue = 1\nwait_seconds = 2"), "--base-only")
+    yield url
+    p.terminate()
+    p.wait(timeout=30)
+
+
+def test_disconnect_mid_stream_frees_the_slot(one_at_a_time):
+    url = one_at_a_time
+    s = long_stream(url)
+    assert health(url)["decoding"] == 1
+    s.close()
+    t0 = time.monotonic()
+    while health(url)["decoding"] and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    freed = time.monotonic() - t0
+    r = client(url).chat.completions.create(model="base", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=4, temperature=0)
+    assert freed < 1.0 and r.choices[0].message.content is not None, freed
+
+
+def test_busy_server_answers_429_and_a_long_wait_503(one_at_a_time):
+    url = one_at_a_time
+    s = long_stream(url)                  # decoding: the one slot is taken for several seconds
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(raw_post, url, json.dumps({"model": "base", "messages": COUNT,
+                                                             "max_tokens": 4}).encode())
+            t0 = time.monotonic()
+            while health(url)["waiting"] < 1 and time.monotonic() - t0 < 10:
+                time.sleep(0.02)
+            status, body = raw_post(url, json.dumps({"model": "base", "messages": COUNT}).encode())
+            assert status == 429 and body["error"]["code"] == "queue_full", body
+            assert "[serving].parallel = 1" in body["error"]["message"] and "[serving].queue = 1" in body["error"]["message"]
+            status, body = waiting.result()
+        assert status == 503 and body["error"]["code"] == "wait_timeout", body
+        assert "[serving].wait_seconds = 2" in body["error"]["message"]
+    finally:
+        s.close()

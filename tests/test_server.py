@@ -191,11 +191,32 @@ def test_live_answers_follow_the_steps_and_saved_weights_match_them(server, smol
     SHARED["run"] = run_id
 
 
+def test_saved_weights_decode_together_grouped_by_adapter(server):
+    """Concurrent requests for three adapters of one base: decoded in batches (an adapter's requests
+    together, the adapters taking turns), each answer what it is alone."""
+    run_id = SHARED["run"]
+    models = [f"{run_id}@{w}" for w in ("final", "base", "step-2", "final", "base", "step-2", "final", "final")]
+    alone = [server.ask(m) for m in models]
+    seen = []
+    with ThreadPoolExecutor(len(models)) as pool:
+        futures = [pool.submit(server.ask, m) for m in models]
+        while not all(f.done() for f in futures):
+            seen.append(server.call("GET", "/health")[1]["decoding"])
+            time.sleep(0.02)
+        together = [f.result() for f in futures]
+    assert max(seen) >= 2, seen
+    for m, (a, ha), (b, hb) in zip(models, alone, together):
+        assert a == b and ha["x-retrograd-weights"] == hb["x-retrograd-weights"] == m, (m, a, b)
+    assert alone[0][0] != alone[1][0]                  # the adapter and the base answer differently
+    assert server.call("GET", "/health")[1]["waiting"] == 0
+
+
 def test_queue_full_and_device_held(server, smollm, tmp_path):
     run_id = SHARED["run"]
-    # queue = 1 on a second run: several requests at once, the ones beyond the queue get 429
-    status, rec = server.call("POST", "/api/runs", {"config": str(write_config(tmp_path, smollm, steps=3,
-                                                                                serving="queue = 1\nidle_seconds = 2"))})
+    # one request decoding at a time and queue = 1 on a second run: several requests at once, the ones
+    # beyond the queue get 429
+    status, rec = server.call("POST", "/api/runs", {"config": str(write_config(
+        tmp_path, smollm, steps=3, serving="parallel = 1\nqueue = 1\nidle_seconds = 2"))})
     assert status == 201
     other = rec["id"]
     server.wait(other)
@@ -205,7 +226,7 @@ def test_queue_full_and_device_held(server, smollm, tmp_path):
     codes = sorted(c for c, _ in results)
     assert codes.count(200) >= 1 and 429 in codes, codes
     busy = next(b for c, b in results if c == 429)
-    assert "[serving].queue is 1" in busy["error"]["message"]
+    assert "[serving].queue = 1" in busy["error"]["message"]
     # the server's generator for saved weights is let go after the run's idle_seconds
     assert server.call("GET", "/health")[1]["loaded_models"] >= 1
     deadline = time.time() + 30

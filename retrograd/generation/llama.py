@@ -13,7 +13,6 @@ import ctypes
 import os
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import llama_cpp.llama_cpp as lc
@@ -24,7 +23,7 @@ from retrograd.data.tokenizer import Tokenizer, quiet_llama_logs
 from retrograd.errors import GenerationError
 from retrograd.generation import split
 from retrograd.generation.joint import JointAdapter
-from retrograd.generation.sampling import SamplingParams, sample
+from retrograd.generation.sampling import Completion, SamplingParams, sample
 from retrograd.logs import log
 from retrograd.run_setup import resolve_threads
 
@@ -32,25 +31,6 @@ _libc = ctypes.CDLL(None)
 _libc.fmemopen.restype = ctypes.c_void_p
 _libc.fmemopen.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _libc.fclose.argtypes = [ctypes.c_void_p]
-
-
-
-
-@dataclass
-class Completion:
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[float] = field(default_factory=list)   # log p(token) under the untempered model
-    finish_reason: str = "length"                        # "stop" (end token or stop string) or "length"
-    end_token: int | None = None                         # the end-of-generation token that stopped it
-    end_logprob: float = 0.0
-
-    def trained(self) -> tuple[list[int], list[float]]:
-        """The tokens a policy update trains on and their sampling log-probs: the sampled tokens and
-        the end token that stopped them (choosing to stop is part of the answer)."""
-        if self.end_token is None:
-            return list(self.tokens), list(self.logprobs)
-        return [*self.tokens, self.end_token], [*self.logprobs, self.end_logprob]
 
 
 def extra_buffers_safe() -> bool:
@@ -407,24 +387,7 @@ class Generator:
             step_tokens, step_seqs, step_pos = [], [], []
             for s in list(active):
                 t, lp = sample(logits[s], params[s], rngs[s])
-                o = outs[s]
-                if t in tok.eog_ids:
-                    o.finish_reason = "stop"
-                    o.end_token = t
-                    o.end_logprob = lp
-                    active.remove(s)
-                    continue
-                o.tokens.append(t)
-                o.logprobs.append(lp)
-                if params[s].stop:
-                    o.text = tok.decode(o.tokens)
-                    hit = min((o.text.find(x) for x in params[s].stop if x in o.text), default=-1)
-                    if hit >= 0:
-                        o.text = o.text[:hit]
-                        o.finish_reason = "stop"
-                        active.remove(s)
-                        continue
-                if len(o.tokens) >= params[s].max_new_tokens or pos[s] + 1 >= self.n_ctx:
+                if not outs[s].take(t, lp, params[s], tok, pos[s] + 1 >= self.n_ctx):
                     active.remove(s)
                     continue
                 step_tokens.append(t)
@@ -438,8 +401,7 @@ class Generator:
             for s in step_seqs:
                 pos[s] += 1
         for o, p in zip(outs, params):
-            if not (p.stop and o.finish_reason == "stop"):
-                o.text = tok.decode(o.tokens)
+            o.finish_text(p, tok)
         return outs
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ policy update compares against)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -18,6 +18,46 @@ class SamplingParams:
     max_new_tokens: int = 256
     seed: int = 0
     stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Completion:
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)   # log p(token) under the untempered model
+    finish_reason: str = "length"                        # "stop" (end token or stop string) or "length"
+    end_token: int | None = None                         # the end-of-generation token that stopped it
+    end_logprob: float = 0.0
+
+    def trained(self) -> tuple[list[int], list[float]]:
+        """The tokens a policy update trains on and their sampling log-probs: the sampled tokens and
+        the end token that stopped them (choosing to stop is part of the answer)."""
+        if self.end_token is None:
+            return list(self.tokens), list(self.logprobs)
+        return [*self.tokens, self.end_token], [*self.logprobs, self.end_logprob]
+
+    def take(self, t: int, lp: float, p: SamplingParams, tok, context_full: bool) -> bool:
+        """Add the sampled token t (log-prob lp); False once the sequence has ended: an end token, a
+        stop string (the text is cut before it), max_new_tokens, or the context full. Every decode
+        loop (the batched rollouts and the server's continuous batch) ends sequences through here."""
+        if t in tok.eog_ids:
+            self.finish_reason, self.end_token, self.end_logprob = "stop", t, lp
+            return False
+        self.tokens.append(t)
+        self.logprobs.append(lp)
+        if p.stop:
+            self.text = tok.decode(self.tokens)
+            hit = min((self.text.find(x) for x in p.stop if x in self.text), default=-1)
+            if hit >= 0:
+                self.text = self.text[:hit]
+                self.finish_reason = "stop"
+                return False
+        return not (len(self.tokens) >= p.max_new_tokens or context_full)
+
+    def finish_text(self, p: SamplingParams, tok) -> None:
+        """The text of the tokens, unless a stop string already cut it."""
+        if not (p.stop and self.finish_reason == "stop"):
+            self.text = tok.decode(self.tokens)
 
 
 def _fast_top_p() -> bool:

@@ -1,7 +1,8 @@
-"""An OpenAI-compatible HTTP server (aiohttp) over one llama.cpp generator: /v1/chat/completions and
-/v1/models. Requests are admitted into a bounded queue and served one at a time (never interleaved
-into one context); generation runs in a worker thread so the event loop keeps answering. Every
-error is an OpenAI-style JSON object, never a 500 for bad input."""
+"""An OpenAI-compatible HTTP server (aiohttp) over one llama.cpp generator: /v1/chat/completions,
+/v1/models and /health. Requests are decoded together by a scheduler thread (serve/scheduler.py,
+continuous batching); a handler prepares the prompt, hands the job over, streams its text as it is
+decoded and cancels it when the client goes away. Every error is an OpenAI-style JSON object, never
+a 500 for bad input."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import asyncio
 import hmac
 import ipaddress
 import json
-import threading
 import time
 from dataclasses import dataclass
 
@@ -18,6 +18,7 @@ from aiohttp import web
 from retrograd.data.chat import ChatFormat
 from retrograd.generation.conversation import encode_prompt, read_reply
 from retrograd.generation.llama import Generator, SamplingParams
+from retrograd.generation.sampling import Completion
 from retrograd.serve.openai_api import (
     ApiError,
     ChatRequest,
@@ -25,8 +26,10 @@ from retrograd.serve.openai_api import (
     completion_id,
     message_payload,
     parse_chat_request,
+    stream_chunk,
     stream_events,
 )
+from retrograd.serve.scheduler import Job, Scheduler
 
 BASE_ID = "base"
 
@@ -38,45 +41,116 @@ class ServedModel:
 
 
 class ModelHost:
-    """The generator and the models it can answer as; switching swaps the adapter in memory."""
+    """The generator's scheduler and the models it can answer as (each model id is an adapter group)."""
 
-    def __init__(self, gen: Generator, chat: ChatFormat, models: list[ServedModel]) -> None:
-        self.gen = gen
+    def __init__(self, sched: Scheduler, chat: ChatFormat, models: list[ServedModel]) -> None:
+        self.sched = sched
         self.chat = chat
         self.models = {m.id: m for m in models}
         self.created = int(time.time())
-        self._seed = 0
-        self._lock = threading.Lock()
+        self.seed = 0
 
-    def complete(self, req: ChatRequest) -> tuple[dict, str, dict]:
-        with self._lock:
-            model = self.models[req.model]
-            if (model.adapter is None) == self.gen.has_adapter:
-                self.gen.set_adapter(model.adapter)
-            self._seed += 1
-            return answer(self.gen, self.chat, req, self._seed)
+    def adapter_of(self, model_id: str) -> bytes | None:
+        return self.models[model_id].adapter
 
 
-def answer(gen: Generator, chat: ChatFormat, req: ChatRequest, seed: int) -> tuple[dict, str, dict]:
-    """One chat completion with whatever adapter `gen` holds: (message, finish reason, usage)."""
+def prepare(gen: Generator, chat: ChatFormat, req: ChatRequest, seed: int) -> tuple[list[int], SamplingParams]:
+    """The prompt and sampling settings of a request (ApiError 400 when the prompt fills the context)."""
     prompt = encode_prompt(gen.tokenizer, chat, req.messages, req.tools)
     room = gen.n_ctx - len(prompt) - 1
     if room < 1:
         raise ApiError(400, f"messages: the prompt has {len(prompt)} tokens, the context holds "
                             f"{gen.n_ctx}", param="messages", code="context_length_exceeded")
     max_new = min(req.max_tokens or room, room)
-    params = SamplingParams(req.temperature, req.top_p, 0, max_new,
-                            req.seed if req.seed is not None else seed, tuple(req.stop))
-    out = gen.generate(prompt, [params])[0]
+    return prompt, SamplingParams(req.temperature, req.top_p, 0, max_new,
+                                  req.seed if req.seed is not None else seed, tuple(req.stop))
+
+
+def finish(out: Completion, prompt: list[int], req: ChatRequest) -> tuple[dict, str, dict]:
+    """A completion as (message, finish reason, usage)."""
     finish = "stop" if out.finish_reason == "stop" else "length"
-    reply = read_reply(out.text, req.tools)
-    msg = reply.message()
+    msg = read_reply(out.text, req.tools).message()
     content, calls = msg["content"], msg.get("tool_calls", [])
     if calls:
         finish = "tool_calls"
     usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out.tokens),
              "total_tokens": len(prompt) + len(out.tokens)}
     return message_payload(content, calls), finish, usage
+
+
+def answer(gen: Generator, chat: ChatFormat, req: ChatRequest, seed: int) -> tuple[dict, str, dict]:
+    """One chat completion decoded alone with whatever adapter `gen` holds (retrograd-server's live
+    weights, at a step callback): (message, finish reason, usage)."""
+    prompt, params = prepare(gen, chat, req, seed)
+    return finish(gen.generate(prompt, [params])[0], prompt, req)
+
+
+def _gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
+
+
+async def _until(request: web.Request, job: Job, waiter: asyncio.Future) -> None:
+    """Wait for `waiter`; a client that goes away meanwhile cancels the job (its slot frees at the next step)."""
+    while not waiter.done():
+        await asyncio.wait([waiter, job.done], timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
+        if job.done.done() and not waiter.done():
+            return
+        if _gone(request):
+            job.cancel()
+            raise web.HTTPRequestTimeout(reason="client went away")
+
+
+async def serve_chat(request: web.Request, sched: Scheduler, chat: ChatFormat, req: ChatRequest, key, seed: int,
+                     headers: dict | None = None) -> web.StreamResponse:
+    """Answer a validated request through `sched` with the adapter group `key`. A streaming request
+    without tools gets its text as it is decoded; with tools, in one piece once the calls are read."""
+    prompt, params = prepare(sched.gen, chat, req, seed)
+    live = req.stream and not req.tools
+    job = sched.submit(key, prompt, params, stream=live)
+    try:
+        if not live:
+            await _until(request, job, job.done)
+            return await respond(request, req, finish(job.done.result(), prompt, req), headers)
+        first = asyncio.ensure_future(job.pieces.get())
+        try:
+            await _until(request, job, first)
+        finally:
+            if not first.done():
+                first.cancel()
+        if job.done.done() and job.done.exception() is not None:
+            raise job.done.exception()
+        return await _stream(request, req, job, first.result() if first.done() else "", prompt, headers)
+    finally:
+        if not job.done.done():
+            job.cancel()
+
+
+async def _stream(request: web.Request, req: ChatRequest, job: Job, piece: str, prompt: list[int],
+                  headers: dict | None) -> web.StreamResponse:
+    cid, created = completion_id(), int(time.time())
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       **(headers or {})})
+    await resp.prepare(request)
+    try:
+        await resp.write(stream_chunk(cid, req.model, created, {"role": "assistant", "content": piece}))
+        while True:
+            get = asyncio.ensure_future(job.pieces.get())
+            await _until(request, job, get)
+            if not get.done():          # finished: what is left in the queue, then the end
+                get.cancel()
+                break
+            await resp.write(stream_chunk(cid, req.model, created, {"content": get.result()}))
+        while not job.pieces.empty():
+            await resp.write(stream_chunk(cid, req.model, created, {"content": job.pieces.get_nowait()}))
+        if job.done.exception() is not None:
+            raise job.done.exception()
+        _, reason, usage = finish(job.done.result(), prompt, req)
+        await resp.write(stream_chunk(cid, req.model, created, {}, reason, {"usage": usage}))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except (ConnectionResetError, asyncio.CancelledError, web.HTTPRequestTimeout, ApiError):
+        job.cancel()
+    return resp
 
 
 async def read_json(request: web.Request) -> tuple[bytes, object]:
@@ -160,34 +234,25 @@ def error_middleware(api_key: str | None, max_body_bytes: int, open_paths: tuple
     return errors
 
 
-def create_app(host: ModelHost, *, api_key: str | None = None, queue: int = 8,
-               max_body_bytes: int = 4 << 20) -> web.Application:
-    waiting = 0
-    turn = asyncio.Lock()
-
+def create_app(host: ModelHost, *, api_key: str | None = None, max_body_bytes: int = 4 << 20) -> web.Application:
     async def models(_request: web.Request) -> web.Response:
         data = [{"id": m, "object": "model", "created": host.created, "owned_by": "retrograd"} for m in host.models]
         return web.json_response({"object": "list", "data": data})
 
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "models": list(host.models), **host.sched.stats()})
+
     async def chat_completions(request: web.Request) -> web.StreamResponse:
-        nonlocal waiting
         req = await read_chat_request(request)
         if req.model not in host.models:
             raise ApiError(404, f"model: no model {req.model!r}; this server has {', '.join(host.models)}",
                            param="model", code="model_not_found")
-        if waiting >= queue:
-            raise ApiError(429, f"the server is busy ({waiting} requests waiting)", code="queue_full")
-        waiting += 1
-        try:
-            async with turn:
-                if request.transport is None or request.transport.is_closing():
-                    raise web.HTTPRequestTimeout(reason="client went away")     # nobody to answer
-                answered = await asyncio.get_running_loop().run_in_executor(None, host.complete, req)
-        finally:
-            waiting -= 1
-        return await respond(request, req, answered)
+        host.seed += 1
+        return await serve_chat(request, host.sched, host.chat, req, req.model, host.seed)
 
-    app = web.Application(middlewares=[error_middleware(api_key, max_body_bytes)], client_max_size=max_body_bytes)
+    app = web.Application(middlewares=[error_middleware(api_key, max_body_bytes, open_paths=("/health",))],
+                          client_max_size=max_body_bytes)
+    app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     return app

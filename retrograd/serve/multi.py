@@ -24,7 +24,8 @@ def parser() -> argparse.ArgumentParser:
         epilog="Routes: GET / (web page), GET /health, GET /openapi.json, GET|POST /api/runs, GET /api/runs/RUN, "
                "GET /api/runs/RUN/{metrics,log,events}, POST /api/runs/RUN/{stop,resume}, GET /v1/models, "
                "POST /v1/chat/completions. Each run's [serving] section sets enabled (live weights while it "
-               "trains), idle_seconds, device_wait_seconds, queue and max_body_bytes.")
+               "trains), idle_seconds, device_wait_seconds, parallel (saved weights' requests decoded together), queue, "
+               "wait_seconds and max_body_bytes. GET /health reports requests decoding and waiting.")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
     ap.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     ap.add_argument("--api-key", default=os.environ.get("RETRO_API_KEY") or None,

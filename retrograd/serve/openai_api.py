@@ -155,18 +155,21 @@ def completion_body(cid: str, model: str, message: dict, finish: str, usage: dic
             "usage": usage, "system_fingerprint": "retrograd"}
 
 
+def stream_chunk(cid: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
+                 extra: dict | None = None) -> bytes:
+    """One server-sent `chat.completion.chunk` event."""
+    body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+    if extra:
+        body.update(extra)
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
 def stream_events(cid: str, model: str, message: dict, finish: str, usage: dict) -> list[bytes]:
-    """The answer in one delta once generated, then the finish reason, then [DONE]."""
+    """An answer known whole (tool calls, live weights): one delta, then the finish reason, then [DONE]."""
     created = int(time.time())
-
-    def chunk(delta: dict, finish_reason: str | None, extra: dict | None = None) -> bytes:
-        body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
-        if extra:
-            body.update(extra)
-        return b"data: " + json.dumps(body).encode() + b"\n\n"
-
     delta: dict = {"role": "assistant", "content": message.get("content")}
     if message.get("tool_calls"):
         delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
-    return [chunk(delta, None), chunk({}, finish, {"usage": usage}), b"data: [DONE]\n\n"]
+    return [stream_chunk(cid, model, created, delta), stream_chunk(cid, model, created, {}, finish, {"usage": usage}),
+            b"data: [DONE]\n\n"]

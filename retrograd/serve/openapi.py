@@ -81,7 +81,7 @@ def document() -> dict:
         "openapi": "3.0.3",
         "info": {"title": "retrograd-server", "version": "1"},
         "paths": {
-            "/health": {"get": {"summary": "liveness (no API key needed)", "responses": _answers("200")}},
+            "/health": {"get": {"summary": "liveness; requests decoding, waiting", "responses": _answers("200")}},
             "/api/runs": {
                 "get": {"summary": "every run with its state and latest metrics", "responses": _answers("200")},
                 "post": {"summary": "submit a run", "requestBody": {"required": True, **_json(SUBMIT)},

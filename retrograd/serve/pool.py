@@ -1,29 +1,39 @@
 """The generators retrograd-server loads itself to answer for saved weights (RUN@final, @best,
-@step-N, @latest, @base): one llama.cpp generator per (model, context, device, chat template),
-the adapter swapped in memory between requests, released after the run's idle_seconds or as soon
-as a training run takes the device."""
+@step-N, @latest, @base): one llama.cpp generator per (model, context, device, chat template and
+the run's [serving] parallel, queue and wait_seconds), each driven by a scheduler
+(serve/scheduler.py) that decodes its requests together, grouped by adapter file with fair turns
+between the groups. A generator is released after the run's idle_seconds
+without requests, or as soon as a training run takes the device (after finishing what it admitted).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from aiohttp import web
 
 from retrograd.config import Config
 from retrograd.serve.openai_api import ChatRequest
+from retrograd.serve.scheduler import Scheduler
 
 
 @dataclass
 class Loaded:
-    gen: object
+    sched: Scheduler
     chat: object
     idle_seconds: float
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    last_used: float = field(default_factory=time.monotonic)
-    adapter: Path | None = None       # the adapter the generator holds now
-    doomed: bool = False              # close once the request in flight is answered
     seed: int = 0
+
+    def idle_for(self, now: float) -> float:
+        return now - self.sched.last_used if self.sched.idle else 0.0
+
+
+def _adapter_bytes(path: Path | None) -> bytes | None:
+    return path.read_bytes() if path is not None else None
 
 
 class ModelPool:
@@ -31,63 +41,56 @@ class ModelPool:
         self.loaded: dict[tuple, Loaded] = {}
         self._lock = threading.Lock()
 
-    def answer(self, cfg: Config, adapter: Path | None, req: ChatRequest) -> tuple[dict, str, dict]:
-        """Blocking (run it in an executor): the completion with `adapter` (None: the base model)."""
-        from retrograd.serve.app import answer
+    def stats(self) -> dict:
+        """Requests decoding and waiting over every loaded generator (/health)."""
+        s = [h.sched.stats() for h in list(self.loaded.values())]
+        return {"decoding": sum(x["decoding"] for x in s), "waiting": sum(x["waiting"] for x in s)}
+
+    async def serve(self, request: web.Request, cfg: Config, adapter: Path | None, req: ChatRequest,
+                    headers: dict) -> web.StreamResponse:
+        """Answer `req` with `adapter` (None: the base model), loading the generator first if needed
+        (in an executor: loading blocks). RetrogradError when it cannot be loaded."""
+        from retrograd.serve.app import serve_chat
 
         while True:
-            host = self._host(cfg)
-            with host.lock:
-                if host.gen is None:        # released while this request waited: load again
-                    continue
-                try:
-                    if host.adapter != adapter:
-                        host.gen.set_adapter(adapter.read_bytes() if adapter else None)
-                        host.adapter = adapter
-                    host.seed += 1
-                    return answer(host.gen, host.chat, req, host.seed)
-                finally:
-                    host.last_used = time.monotonic()
-                    if host.doomed:
-                        self._close(host)
+            host = await asyncio.get_running_loop().run_in_executor(None, self._host, cfg)
+            if not host.sched.closing:      # not let go while this request waited for it: no await below
+                break
+        host.seed += 1
+        return await serve_chat(request, host.sched, host.chat, req, adapter, host.seed, headers)
 
     def _host(self, cfg: Config) -> Loaded:
         from retrograd.data.chat import format_for
-        from retrograd.generation.llama import Generator
+        from retrograd.generation.batching import auto_parallel, serving_generator
         from retrograd.run_setup import resolve_model, resolve_threads
 
         model = resolve_model(cfg)
-        key = (str(model), cfg.model.ctx, cfg.model.device, cfg.model.chat_template)
+        s = cfg.serving
+        key = (str(model), cfg.model.ctx, cfg.model.device, cfg.model.chat_template, s.parallel, s.queue,
+               s.wait_seconds)
         with self._lock:
             host = self.loaded.get(key)
-            if host is None or host.doomed:
-                gen = Generator(model, n_ctx=cfg.model.ctx, threads=resolve_threads(cfg), device=cfg.model.device)
-                host = Loaded(gen, format_for(gen.tokenizer, cfg.model.chat_template), cfg.serving.idle_seconds)
+            if host is None or host.sched.closing:      # closing here: its thread failed
+                parallel = s.parallel or auto_parallel(cfg.model.ctx)
+                gen = serving_generator(model, n_ctx=cfg.model.ctx, parallel=parallel, threads=resolve_threads(cfg),
+                                        device=cfg.model.device)
+                sched = Scheduler(gen, parallel=parallel, queue=s.queue, wait_seconds=s.wait_seconds,
+                                  adapter_of=_adapter_bytes, name=f"pool-{model.name}")
+                host = Loaded(sched, format_for(gen.tokenizer, cfg.model.chat_template), s.idle_seconds)
                 self.loaded[key] = host
             host.idle_seconds = cfg.serving.idle_seconds
             return host
 
     def release(self, only_idle: bool = False) -> int:
-        """Close the generators (only those idle past their run's idle_seconds when `only_idle`);
-        one answering a request closes right after. Never blocks. Returns how many were let go."""
+        """Let the generators go (only those idle past their run's idle_seconds when `only_idle`): a
+        scheduler finishes the requests it admitted, then frees its generator. Never blocks. Returns
+        how many were let go."""
         now, n = time.monotonic(), 0
         with self._lock:
             for key, host in list(self.loaded.items()):
-                if only_idle and now - host.last_used < host.idle_seconds:
+                if only_idle and host.idle_for(now) < host.idle_seconds:
                     continue
                 del self.loaded[key]
+                host.sched.close()
                 n += 1
-                if host.lock.acquire(blocking=False):
-                    try:
-                        self._close(host)
-                    finally:
-                        host.lock.release()
-                else:
-                    host.doomed = True
         return n
-
-    @staticmethod
-    def _close(host: Loaded) -> None:
-        if host.gen is not None:
-            host.gen.close()
-            host.gen = None

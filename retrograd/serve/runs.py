@@ -154,4 +154,4 @@ def parse_config(text: str, label: Path, base_dir: Path) -> Config:
 def serving_dict(cfg: Config) -> dict:
     s = cfg.serving
     return {"enabled": s.enabled, "idle_seconds": s.idle_seconds, "device_wait_seconds": s.device_wait_seconds,
-            "queue": s.queue, "max_body_bytes": s.max_body_bytes}
+            "queue": s.queue, "parallel": s.parallel, "wait_seconds": s.wait_seconds, "max_body_bytes": s.max_body_bytes}

@@ -65,47 +65,48 @@ class RunServer:
             ids.append(f"{rec.id}@base")
         return ids
 
-    async def complete(self, body: dict) -> tuple[tuple, dict]:
-        """The answer for a validated chat body and the headers that say which weights gave it."""
+    async def complete(self, request: web.Request, body: dict) -> web.StreamResponse:
+        """Answer a chat body: live weights through the training process (at its next step), saved
+        weights through the pool's batching scheduler. Headers say which weights answered."""
         req = parse_chat_request(body)
         run_id, which = split_ref(req.model)
         try:
             rec = self.sup.get(run_id)
         except ApiError as exc:
             raise ApiError(404, f"model: {exc.message}", param="model", code="model_not_found") from None
-        limit = rec.serving.get("queue", 8)
-        if self.waiting[run_id] >= limit:
-            raise ApiError(429, f"run {run_id} is busy: {self.waiting[run_id]} requests are waiting (its "
-                                f"[serving].queue is {limit}); retry later", code="queue_full")
-        self.waiting[run_id] += 1
-        try:
-            if which is None and rec.state in ACTIVE:
-                if not rec.serving.get("enabled"):
-                    raise ApiError(409, f"model: run {run_id} is training and does not serve live weights "
-                                        f"([serving].enabled = false in its configuration); ask for {run_id}@latest",
-                                   param="model", code="live_serving_disabled")
+        if which is None and rec.state in ACTIVE:
+            if not rec.serving.get("enabled"):
+                raise ApiError(409, f"model: run {run_id} is training and does not serve live weights "
+                                    f"([serving].enabled = false in its configuration); ask for {run_id}@latest",
+                               param="model", code="live_serving_disabled")
+            limit = rec.serving.get("queue", 8)
+            if self.waiting[run_id] >= limit:
+                raise ApiError(429, f"run {run_id} is busy: {self.waiting[run_id]} live requests are waiting for its "
+                                    f"next step (its [serving].queue is {limit}); retry later", code="queue_full")
+            self.waiting[run_id] += 1
+            try:
                 with contextlib.suppress(LookupError):       # the run ended meanwhile: its final adapter
                     answer, step = await self.sup.live_chat(run_id, body)
-                    return answer, {"X-Retrograd-Weights": f"{run_id}@live", "X-Retrograd-Step": str(step)}
-            which = which or "final"
-            adapter = None
-            if which != "base":
-                adapter = self.sup.store.adapter(run_id, which)
-                if adapter is None:
-                    steps = self.sup.store.steps(run_id)
-                    have = ", ".join(f"@step-{s}" for s in steps) or "no checkpoints yet"
-                    raise ApiError(404, f"model: run {run_id} ({rec.state}, step {rec.step}) has no {which} adapter"
-                                        f" (saved: {have})", param="model", code="model_not_found")
-            await self.wait_for_device(rec)
-            cfg = self.config(rec)
-            try:
-                answer = await asyncio.get_running_loop().run_in_executor(None, self.pool.answer, cfg, adapter, req)
-            except RetrogradError as exc:
-                raise ApiError(503, f"model: cannot load {req.model}: {exc}", param="model",
-                               code="model_unavailable", kind="server_error") from None
-            return answer, {"X-Retrograd-Weights": f"{run_id}@{which}"}
-        finally:
-            self.waiting[run_id] -= 1
+                    return await respond(request, req, tuple(answer), headers={
+                        "X-Retrograd-Weights": f"{run_id}@live", "X-Retrograd-Step": str(step)})
+            finally:
+                self.waiting[run_id] -= 1
+        which = which or "final"
+        adapter = None
+        if which != "base":
+            adapter = self.sup.store.adapter(run_id, which)
+            if adapter is None:
+                steps = self.sup.store.steps(run_id)
+                have = ", ".join(f"@step-{s}" for s in steps) or "no checkpoints yet"
+                raise ApiError(404, f"model: run {run_id} ({rec.state}, step {rec.step}) has no {which} adapter"
+                                    f" (saved: {have})", param="model", code="model_not_found")
+        await self.wait_for_device(rec)
+        try:
+            return await self.pool.serve(request, self.config(rec), adapter, req,
+                                         {"X-Retrograd-Weights": f"{run_id}@{which}"})
+        except RetrogradError as exc:
+            raise ApiError(503, f"model: cannot load {req.model}: {exc}", param="model",
+                           code="model_unavailable", kind="server_error") from None
 
     async def wait_for_device(self, rec) -> None:
         """Loading a model needs the device: wait the run's device_wait_seconds for a training run
@@ -177,7 +178,8 @@ class RunServer:
     # ---- routes ------------------------------------------------------------------------------
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "runs": len(self.sup.runs), "loaded_models": len(self.pool.loaded),
-                                  "device_held_by": getattr(self.sup.holder(), "id", None)})
+                                  "device_held_by": getattr(self.sup.holder(), "id", None), **self.pool.stats(),
+                                  "live_waiting": sum(self.waiting.values())})
 
     async def page(self, _request: web.Request) -> web.Response:
         return web.Response(content_type="text/html", text=_asset("index.html"))
@@ -270,8 +272,7 @@ class RunServer:
         if rec is not None and len(raw) > rec.serving.get("max_body_bytes", 4 << 20):
             raise ApiError(413, f"the request body exceeds run {run_id}'s [serving].max_body_bytes "
                                 f"({rec.serving['max_body_bytes']} bytes)", code="too_large")
-        answer, headers = await self.complete(body)
-        return await respond(request, req, tuple(answer), headers=headers)
+        return await self.complete(request, body)
 
 
 def _asset(name: str) -> str:
