@@ -363,7 +363,8 @@ bool rg_attn_tile(rg_graph_build * b, struct ggml_cgraph * gf, int il) {
     if (gk || gv) {
         /* dK and dV in one pass (they share the recomputed probabilities), each node a copy of its half */
         const int64_t n = hd * T * Hkv;
-        struct ggml_tensor * kv = ggml_custom_4d(ctx, GGML_TYPE_F32, 2 * n, 1, 1, 1, src, A_N, attn_grad_kv,
+        /* [hd, T, kv heads, 2]: shaped so the profile counts it as attention (batched over heads) */
+        struct ggml_tensor * kv = ggml_custom_4d(ctx, GGML_TYPE_F32, hd, T, Hkv, 2, src, A_N, attn_grad_kv,
                                                  GGML_N_TASKS_MAX, ud);
         ggml_format_name(kv, "attn_grad_kv-%d", il);
         if (gk) become(gk, ggml_cont(ctx, ggml_view_3d(ctx, kv, hd, T, Hkv, hd * sizeof(float), hd * T * sizeof(float), 0)));

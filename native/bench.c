@@ -4,8 +4,10 @@
  * The profile of a training step says how many FLOP/s each op reached; this says what ggml's own
  * kernel reaches on a plain product of the same kind on this machine, in the same process, so the
  * two can be read side by side (a 2-core VM's speed drifts by a third from one minute to the
- * next, so a peak measured yesterday is no yardstick). The packed BF16 product (gemm.c) gets the
- * same treatment: where it runs, it is the fastest product the step uses, so the machine's peak.
+ * next, so a peak measured yesterday is no yardstick). The packed product (gemm.c, whichever kernel
+ * runs: BF16, or F16 weights on AVX2) gets the same treatment: where it runs, it is the fastest
+ * product the step uses, so the machine's peak. Here too the packed product's check against an
+ * oracle (rg_gemm_check), the tests' way in to it.
  */
 #include "rg_internal.h"
 
@@ -78,7 +80,7 @@ rg_status rg_matmul_bench(int type, int64_t m, int64_t n, int64_t k, int n_threa
 }
 
 rg_status rg_gemm_bench(int64_t m, int64_t n, int64_t k, int n_threads, int reps, double * seconds_out) {
-    if (!rg_gemm_available()) return rg_fail(RG_ERR_ARG, "the packed BF16 product needs a CPU with AVX512-BF16");
+    if (!rg_gemm_available()) return rg_fail(RG_ERR_ARG, "the packed product needs a CPU with AVX512-BF16 or AVX2 and F16C");
     if (m < 1 || n < 1 || k < 1 || n_threads < 1 || reps < 1) {
         return rg_fail(RG_ERR_ARG, "gemm bench: bad arguments (%lld x %lld x %lld, %d threads, %d reps)",
                        (long long) m, (long long) n, (long long) k, n_threads, reps);
@@ -108,6 +110,59 @@ rg_status rg_gemm_bench(int64_t m, int64_t n, int64_t k, int n_threads, int reps
         ggml_build_forward_expand(gf, rg_gemm(ctx, cw, cx, m, n));
         st = time_graph(gf, n_threads, reps, "gemm bench", seconds_out);
     }
+    ggml_free(ctx);
+    return st;
+}
+
+/* ---- the packed product checked against an oracle ------------------------------------------- */
+rg_status rg_gemm_check(int type, const float * w, int64_t n_out, int64_t n_in, const float * x, int64_t n_tokens,
+                        int transposed, const float * v, const float * z, int rank, int n_threads, float * out,
+                        float * w_dequant) {
+    if (!rg_gemm_available()) return rg_fail(RG_ERR_ARG, "the packed product needs a CPU with AVX512-BF16 or AVX2 and F16C");
+    if (type < 0 || type >= GGML_TYPE_COUNT || n_out < 1 || n_in < 1 || n_tokens < 1 || n_threads < 1) {
+        return rg_fail(RG_ERR_ARG, "gemm check: bad arguments (type %d, %lld x %lld, %lld tokens, %d threads)", type,
+                       (long long) n_out, (long long) n_in, (long long) n_tokens, n_threads);
+    }
+    const enum ggml_type t = (enum ggml_type) type;
+    if (t != GGML_TYPE_F32 && (!ggml_is_quantized(t) || n_in % ggml_blck_size(t) != 0)) {
+        return rg_fail(RG_ERR_ARG, "gemm check: type %s with rows of %lld", ggml_type_name(t), (long long) n_in);
+    }
+    const int64_t k = transposed ? n_out : n_in, rows = transposed ? n_in : n_out;
+    /* generous for every kernel's packing: 16-bit weights and F32 activations, padded to 32 */
+    const size_t pad = (size_t) (k + 32) * (size_t) (2 * (rows + 32) + 4 * (n_tokens + 32));
+    const size_t bytes = ggml_row_size(t, n_in) * (size_t) n_out + sizeof(float) * (size_t) (k * n_tokens + rows * n_tokens) +
+                         pad + sizeof(float) * (size_t) (rank * (rows + n_tokens)) + ggml_tensor_overhead() * 8 +
+                         ggml_graph_overhead() + (1u << 20);
+    struct ggml_init_params ip = { bytes, NULL, false };
+    struct ggml_context * ctx = ggml_init(ip);
+    if (!ctx) return rg_fail(RG_ERR_NOMEM, "gemm check: out of host memory (%zu bytes)", bytes);
+    struct ggml_tensor * wq = ggml_new_tensor_2d(ctx, t, n_in, n_out);
+    ggml_set_name(wq, "w");
+    if (t == GGML_TYPE_F32) memcpy(wq->data, w, sizeof(float) * (size_t) (n_in * n_out));
+    else ggml_quantize_chunk(t, w, wq->data, 0, n_out, n_in, NULL);
+    for (int64_t r = 0; r < n_out; r++) {
+        const char * row = (const char *) wq->data + r * wq->nb[1];
+        if (t == GGML_TYPE_F32) memcpy(w_dequant + r * n_in, row, sizeof(float) * (size_t) n_in);
+        else ggml_get_type_traits(t)->to_float(row, w_dequant + r * n_in, n_in);
+    }
+    struct ggml_tensor * xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n_tokens);
+    ggml_set_name(xt, "x");
+    memcpy(xt->data, x, sizeof(float) * (size_t) (k * n_tokens));
+    struct ggml_tensor * pw = rg_pack_weight(ctx, wq, transposed != 0), * px = rg_pack_act(ctx, xt), * y;
+    if (rank > 0 && v && z) {
+        struct ggml_tensor * vt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, rows, rank);
+        struct ggml_tensor * zt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, rank, n_tokens);
+        memcpy(vt->data, v, sizeof(float) * (size_t) (rows * rank));
+        memcpy(zt->data, z, sizeof(float) * (size_t) (rank * n_tokens));
+        y = rg_gemm_lowrank(ctx, pw, px, vt, zt);
+    } else {
+        y = rg_gemm(ctx, pw, px, rows, n_tokens);
+    }
+    struct ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, y);
+    rg_status st = ggml_graph_compute_with_ctx(ctx, gf, n_threads) == GGML_STATUS_SUCCESS
+        ? RG_OK : rg_fail(RG_ERR_COMPUTE, "gemm check: the product failed");
+    if (st == RG_OK) memcpy(out, y->data, sizeof(float) * (size_t) (rows * n_tokens));
     ggml_free(ctx);
     return st;
 }

@@ -1,5 +1,6 @@
 /*
- * gemm.c - the frozen weights' BF16 products through packed operands, on CPUs with AVX512-BF16.
+ * gemm.c - the frozen weights' 16-bit products through packed operands: the choice of kernel, the
+ * packed layouts, and the BF16 kernel for CPUs with AVX512-BF16 (F16 on AVX2: gemm_avx2.c).
  *
  * ggml's BF16 product (llamafile's tinyBLAS) clears each 4 x 6 block of accumulators through a
  * memset on the stack and reads it back before every block. On the thin products of a training
@@ -19,7 +20,9 @@
  * over 16 lanes): results differ from ggml's in the last bits only.
  * On CPUs with AMX the same packed weights go through tiles instead (gemm_amx.c), with the
  * activations packed row-major for them; k is padded to 32 in every packing so both kernels read
- * one weight layout (and one weight cache).
+ * one weight layout (and one weight cache). On x86 CPUs without AVX512-BF16, gemm_avx2.c multiplies
+ * F16 weights by F32 activations in the same way, where the graph would otherwise convert to F16 for
+ * ggml's product. The kernel is chosen here (kernel()) and the packed layouts follow it (layout()).
  */
 #include "rg_internal.h"
 
@@ -36,17 +39,20 @@ static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 /* k pairs of a packed operand: padded to 16, one AMX tile's depth, so both kernels share the weights */
 static int64_t kpairs(int64_t k) { return 16 * cdiv(cdiv(k, 2), 16); }
 
-enum { KERNEL_NONE, KERNEL_AVX512, KERNEL_AMX };
+enum { KERNEL_NONE, KERNEL_AVX512, KERNEL_AMX, KERNEL_AVX2_F16 };
 
 /* read at every graph build, so a test can compare the routes in one process: RETRO_PACKED_GEMM=0
- * keeps ggml's product, =avx512 keeps AVX512-BF16 on a CPU with AMX. ggml says what it was
- * compiled for, the CPU what it runs: both must have the instruction. */
+ * keeps ggml's product, =avx512 keeps AVX512-BF16 on a CPU with AMX, =avx2 runs the F16 kernel even
+ * where a BF16 one would run (to measure or test it there). ggml says what it was compiled for, the
+ * CPU what it runs: both must have the BF16 instruction, as rg_conv_type asks ggml alone. */
 static int kernel(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     const char * env = getenv("RETRO_PACKED_GEMM");
     if (env && strcmp(env, "0") == 0) return KERNEL_NONE;
+    const int avx2 = rg_avx2_ready() ? KERNEL_AVX2_F16 : KERNEL_NONE;
+    if (env && strcmp(env, "avx2") == 0) return avx2;
     __builtin_cpu_init();
-    if (!ggml_cpu_has_avx512_bf16() || !__builtin_cpu_supports("avx512bf16")) return KERNEL_NONE;
+    if (!ggml_cpu_has_avx512_bf16() || !__builtin_cpu_supports("avx512bf16")) return avx2;
     if (env && strcmp(env, "avx512") == 0) return KERNEL_AVX512;
     return rg_amx_ready() ? KERNEL_AMX : KERNEL_AVX512;
 #else
@@ -57,25 +63,60 @@ static int kernel(void) {
 int rg_gemm_available(void) { return kernel() != KERNEL_NONE; }
 
 const char * rg_gemm_kernel(void) {
-    static const char * names[] = { "none", "avx512-bf16", "amx-bf16" };
+    static const char * names[] = { "none", "avx512-bf16", "amx-bf16", "avx2-f16" };
     return names[kernel()];
 }
 
+/* the converted type the kernel replaces: the BF16 kernels a mode's BF16 copies, avx2-f16 its F16 ones */
 bool rg_gemm_for_mode(int matmul_mode) {
-    return rg_gemm_available() && (matmul_mode == RG_MATMUL_BF16 || matmul_mode == RG_MATMUL_AUTO) &&
-           rg_conv_type(matmul_mode) == GGML_TYPE_BF16;
+    const int kern = kernel();
+    if (kern == KERNEL_NONE) return false;
+    const bool f16 = kern == KERNEL_AVX2_F16;
+    return (matmul_mode == (f16 ? RG_MATMUL_F16 : RG_MATMUL_BF16) || matmul_mode == RG_MATMUL_AUTO) &&
+           rg_conv_type(matmul_mode) == (f16 ? GGML_TYPE_F16 : GGML_TYPE_BF16);
 }
 
+/* The packed operands of a kernel, in one place: type and shape of a weight of rows x k and of
+ * activations of k x T. The BF16 kernels share the weight's layout; avx2-f16 packs F16 weights and
+ * F32 activations, k unpadded (gemm_avx2.c). */
+typedef struct {
+    enum ggml_type type;
+    int64_t        ne[2];
+} packed_shape;
+
+static void layout(int kern, int64_t rows, int64_t k, int64_t T, packed_shape * w, packed_shape * x) {
+    if (kern == KERNEL_AVX2_F16) {
+        *w = (packed_shape) { GGML_TYPE_F16, { RG_AVX2_MR * k, cdiv(rows, RG_AVX2_MR) } };
+        *x = (packed_shape) { GGML_TYPE_F32, { RG_AVX2_NR * k, cdiv(T, RG_AVX2_NR) } };
+        return;
+    }
+    const int64_t kp = kpairs(k);
+    *w = (packed_shape) { GGML_TYPE_BF16, { 2 * MR * kp, cdiv(rows, MR) } };
+    *x = kern == KERNEL_AMX ? (packed_shape) { GGML_TYPE_BF16, { 2 * kp, 32 * cdiv(T, 32) } }
+                            : (packed_shape) { GGML_TYPE_BF16, { 2 * NR * kp, cdiv(T, NR) } };
+}
+
+static bool has_shape(const struct ggml_tensor * t, const packed_shape * s) {
+    return t->type == s->type && t->ne[0] == s->ne[0] && t->ne[1] == s->ne[1];
+}
+
+/* from the node's operands, not the kernel now: a profile may outlive an RETRO_PACKED_GEMM change */
 double rg_gemm_flops(const struct ggml_tensor * t) {
     if (t->op != GGML_OP_CUSTOM || !t->src[0] || !t->src[1]) return 0.0;
     const struct ggml_tensor * a = t->src[0], * b = t->src[1], * v = t->src[2], * z = t->src[3];
-    if (a->type != GGML_TYPE_BF16 || b->type != GGML_TYPE_BF16 || a->ne[0] % (2 * MR) != 0) return 0.0;
-    const int64_t kp = a->ne[0] / (2 * MR);
-    const bool avx = b->ne[0] == 2 * NR * kp && b->ne[1] == cdiv(t->ne[1], NR);
-    const bool amx = b->ne[0] == 2 * kp && b->ne[1] == 32 * cdiv(t->ne[1], 32);
-    if ((!avx && !amx) || a->ne[1] != cdiv(t->ne[0], MR)) return 0.0;
+    const bool f16 = a->type == GGML_TYPE_F16;
+    const int64_t per_k = f16 ? RG_AVX2_MR : MR;    /* values of a packed weight's row per k value */
+    if (a->ne[0] % (f16 ? RG_AVX2_MR : 2 * MR) != 0) return 0.0;
+    const int64_t k = a->ne[0] / per_k;             /* padded to the layout's multiple already */
+    bool fits = false;
+    for (int kern = f16 ? KERNEL_AVX2_F16 : KERNEL_AVX512; kern <= (f16 ? KERNEL_AVX2_F16 : KERNEL_AMX); kern++) {
+        packed_shape ws, xs;
+        layout(kern, t->ne[0], k, t->ne[1], &ws, &xs);
+        fits |= has_shape(a, &ws) && has_shape(b, &xs);
+    }
+    if (!fits) return 0.0;
     const double r = v && z ? (double) v->ne[1] : 0.0;
-    return 2.0 * ((double) (2 * kp) + r) * (double) ggml_nelements(t);
+    return 2.0 * ((double) k + r) * (double) ggml_nelements(t);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -241,19 +282,27 @@ static void pack_weight(struct ggml_tensor * dst, int ith, int nth, void * userd
     }
 }
 
-void rg_packed_weight_shape(const struct ggml_tensor * w, bool transposed, int64_t ne[2]) {
-    const int64_t rows = transposed ? w->ne[0] : w->ne[1], k = transposed ? w->ne[1] : w->ne[0];
-    ne[0] = 2 * MR * kpairs(k);
-    ne[1] = cdiv(rows, MR);
+enum ggml_type rg_packed_weight_shape(const struct ggml_tensor * w, bool transposed, int64_t ne[2]) {
+    packed_shape ws, xs;
+    layout(kernel(), transposed ? w->ne[0] : w->ne[1], transposed ? w->ne[1] : w->ne[0], 1, &ws, &xs);
+    ne[0] = ws.ne[0];
+    ne[1] = ws.ne[1];
+    return ws.type;
+}
+
+bool rg_packed_weight_current(const struct ggml_tensor * packed, const struct ggml_tensor * w, bool transposed) {
+    int64_t ne[2];
+    return rg_packed_weight_shape(w, transposed, ne) == packed->type && packed->ne[0] == ne[0] && packed->ne[1] == ne[1];
 }
 
 struct ggml_tensor * rg_pack_weight(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed) {
     int64_t ne[2];
-    rg_packed_weight_shape(w, transposed, ne);
+    const enum ggml_type type = rg_packed_weight_shape(w, transposed, ne);
     struct ggml_tensor * args[1] = { w };
-    struct ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_BF16, ne[0], ne[1], 1, 1, args, 1,
-                                            pack_weight, GGML_N_TASKS_MAX, transposed ? (void *) 1 : NULL);
-    ggml_format_name(t, "%s (bf16, packed%s)", w->name, transposed ? ", transposed" : "");
+    struct ggml_tensor * t = ggml_custom_4d(ctx, type, ne[0], ne[1], 1, 1, args, 1,
+                                            type == GGML_TYPE_F16 ? rg_avx2_pack_weight : pack_weight,
+                                            GGML_N_TASKS_MAX, transposed ? (void *) 1 : NULL);
+    ggml_format_name(t, "%s (%s, packed%s)", w->name, ggml_type_name(type), transposed ? ", transposed" : "");
     return t;
 }
 
@@ -373,17 +422,19 @@ bool rg_pack_act_fits(const struct ggml_tensor * x) {
 /* the kernel is chosen here, by the activations' layout, and the product follows it */
 struct ggml_tensor * rg_pack_act(struct ggml_context * ctx, struct ggml_tensor * x) {
     struct ggml_tensor * args[1] = { x };
-    const int64_t kp = kpairs(x->ne[0]);
-    struct ggml_tensor * t = kernel() == KERNEL_AMX
-        ? ggml_custom_4d(ctx, GGML_TYPE_BF16, 2 * kp, 32 * cdiv(x->ne[1], 32), 1, 1, args, 1, rg_amx_pack_act,
-                         GGML_N_TASKS_MAX, NULL)
-        : ggml_custom_4d(ctx, GGML_TYPE_BF16, 2 * NR * kp, cdiv(x->ne[1], NR), 1, 1, args, 1, pack_act,
-                         GGML_N_TASKS_MAX, NULL);
-    ggml_format_name(t, "%s (bf16, packed)", x->name);
+    const int kern = kernel();
+    packed_shape ws, xs;
+    layout(kern, 1, x->ne[0], x->ne[1], &ws, &xs);
+    struct ggml_tensor * t = ggml_custom_4d(ctx, xs.type, xs.ne[0], xs.ne[1], 1, 1, args, 1,
+                                            kern == KERNEL_AMX ? rg_amx_pack_act
+                                            : kern == KERNEL_AVX2_F16 ? rg_avx2_pack_act : pack_act,
+                                            GGML_N_TASKS_MAX, NULL);
+    ggml_format_name(t, "%s (%s, packed)", x->name, ggml_type_name(xs.type));
     return t;
 }
 
 static ggml_custom_op_t product_of(const struct ggml_tensor * packed_w, const struct ggml_tensor * packed_x) {
+    if (packed_w->type == GGML_TYPE_F16) return rg_avx2_gemm;
     return packed_x->ne[0] == packed_w->ne[0] / MR ? rg_amx_gemm : gemm;
 }
 
@@ -405,56 +456,4 @@ struct ggml_tensor * rg_gemm_lowrank(struct ggml_context * ctx, struct ggml_tens
     struct ggml_tensor * args[4] = { packed_w, packed_x, v, z };
     return ggml_custom_4d(ctx, GGML_TYPE_F32, v->ne[0], z->ne[1], 1, 1, args, 4, product_of(packed_w, packed_x),
                           GGML_N_TASKS_MAX, NULL);
-}
-
-/* ---- a check against an oracle ---------------------------------------------------------------- */
-rg_status rg_gemm_check(int type, const float * w, int64_t n_out, int64_t n_in, const float * x, int64_t n_tokens,
-                        int transposed, const float * v, const float * z, int rank, int n_threads, float * out,
-                        float * w_dequant) {
-    if (!rg_gemm_available()) return rg_fail(RG_ERR_ARG, "the packed BF16 product needs a CPU with AVX512-BF16");
-    if (type < 0 || type >= GGML_TYPE_COUNT || n_out < 1 || n_in < 1 || n_tokens < 1 || n_threads < 1) {
-        return rg_fail(RG_ERR_ARG, "gemm check: bad arguments (type %d, %lld x %lld, %lld tokens, %d threads)", type,
-                       (long long) n_out, (long long) n_in, (long long) n_tokens, n_threads);
-    }
-    const enum ggml_type t = (enum ggml_type) type;
-    if (t != GGML_TYPE_F32 && (!ggml_is_quantized(t) || n_in % ggml_blck_size(t) != 0)) {
-        return rg_fail(RG_ERR_ARG, "gemm check: type %s with rows of %lld", ggml_type_name(t), (long long) n_in);
-    }
-    const int64_t k = transposed ? n_out : n_in, rows = transposed ? n_in : n_out;
-    const size_t bytes = ggml_row_size(t, n_in) * (size_t) n_out + sizeof(float) * (size_t) (k * n_tokens + rows * n_tokens) +
-                         2 * (size_t) (2 * MR * kpairs(k) * cdiv(rows, MR) + 2 * 32 * kpairs(k) * cdiv(n_tokens, NR)) +
-                         sizeof(float) * (size_t) (rank * (rows + n_tokens)) + ggml_tensor_overhead() * 8 +
-                         ggml_graph_overhead() + (1u << 20);
-    struct ggml_init_params ip = { bytes, NULL, false };
-    struct ggml_context * ctx = ggml_init(ip);
-    if (!ctx) return rg_fail(RG_ERR_NOMEM, "gemm check: out of host memory (%zu bytes)", bytes);
-    struct ggml_tensor * wq = ggml_new_tensor_2d(ctx, t, n_in, n_out);
-    ggml_set_name(wq, "w");
-    if (t == GGML_TYPE_F32) memcpy(wq->data, w, sizeof(float) * (size_t) (n_in * n_out));
-    else ggml_quantize_chunk(t, w, wq->data, 0, n_out, n_in, NULL);
-    for (int64_t r = 0; r < n_out; r++) {
-        const char * row = (const char *) wq->data + r * wq->nb[1];
-        if (t == GGML_TYPE_F32) memcpy(w_dequant + r * n_in, row, sizeof(float) * (size_t) n_in);
-        else ggml_get_type_traits(t)->to_float(row, w_dequant + r * n_in, n_in);
-    }
-    struct ggml_tensor * xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n_tokens);
-    ggml_set_name(xt, "x");
-    memcpy(xt->data, x, sizeof(float) * (size_t) (k * n_tokens));
-    struct ggml_tensor * pw = rg_pack_weight(ctx, wq, transposed != 0), * px = rg_pack_act(ctx, xt), * y;
-    if (rank > 0 && v && z) {
-        struct ggml_tensor * vt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, rows, rank);
-        struct ggml_tensor * zt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, rank, n_tokens);
-        memcpy(vt->data, v, sizeof(float) * (size_t) (rows * rank));
-        memcpy(zt->data, z, sizeof(float) * (size_t) (rank * n_tokens));
-        y = rg_gemm_lowrank(ctx, pw, px, vt, zt);
-    } else {
-        y = rg_gemm(ctx, pw, px, rows, n_tokens);
-    }
-    struct ggml_cgraph * gf = ggml_new_graph(ctx);
-    ggml_build_forward_expand(gf, y);
-    rg_status st = ggml_graph_compute_with_ctx(ctx, gf, n_threads) == GGML_STATUS_SUCCESS
-        ? RG_OK : rg_fail(RG_ERR_COMPUTE, "gemm check: the product failed");
-    if (st == RG_OK) memcpy(out, y->data, sizeof(float) * (size_t) (rows * n_tokens));
-    ggml_free(ctx);
-    return st;
 }

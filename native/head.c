@@ -53,7 +53,7 @@ struct rg_head {
     enum ggml_type        conv_type;
     int                   mode;
     /* W_out packed for gemm.c as stored, made by the first forward that multiplies through it and
-     * kept, as the base never changes (V x n_embd BF16: 54 MiB on the default model) */
+     * kept, as the base never changes (V x n_embd 16-bit values: 54 MiB on the default model) */
     struct ggml_context * wpack_ctx;
     ggml_backend_buffer_t wpack_buf;
     struct ggml_tensor  * wpack;
@@ -95,8 +95,9 @@ static void free_wpack(rg_head * h) {
 }
 
 /* whether the head's products go through gemm.c: a quantized W_out (an F32 or F16 one keeps ggml's
- * product, which rounds nothing or less) on the CPU, in a BF16 mode, on a CPU that runs it (asked at
- * each use, like the training graph, so RETRO_PACKED_GEMM=0 compares both in one process) */
+ * product, which rounds nothing or less) on the CPU, in a mode whose converted products gemm.c's
+ * kernel runs (BF16 ones on an AVX512-BF16 CPU, F16 ones on AVX2: rg_gemm_for_mode), asked at each
+ * use like the training graph, so RETRO_PACKED_GEMM=0 compares both in one process */
 static bool packed_route(const rg_head * h) {
     return !h->exact && ggml_is_quantized(h->model->output->type) && h->model->backend == h->model->backend_cpu &&
            rg_gemm_for_mode(h->mode);
@@ -104,7 +105,8 @@ static bool packed_route(const rg_head * h) {
 
 /* the packing op's own output is the kept tensor: no transient copy of W_out */
 static rg_status ensure_wpack(rg_head * h) {
-    if (h->wpack) return RG_OK;
+    if (h->wpack && rg_packed_weight_current(h->wpack, h->model->output, false)) return RG_OK;
+    free_wpack(h);      /* none yet, or packed for another kernel (RETRO_PACKED_GEMM changed since) */
     const size_t meta = ggml_tensor_overhead() * 4 + ggml_graph_overhead_custom(4, false);
     struct ggml_init_params ip = { meta, NULL, true };
     h->wpack_ctx = ggml_init(ip);

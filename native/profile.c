@@ -28,7 +28,7 @@ static int node_kind(const rg_model * m, int rank, const struct ggml_tensor * t)
     if (t->op != GGML_OP_MUL_MAT && t->op != GGML_OP_OUT_PROD && !outer) return RG_KIND_OTHER;
     const struct ggml_tensor * a = t->src[0];
     if (t->ne[0] == rank || t->ne[1] == rank || a->ne[0] == rank || a->ne[1] == rank) return RG_KIND_LORA;
-    return t->ne[2] > 1 ? RG_KIND_ATTENTION : RG_KIND_OTHER;
+    return t->ne[2] > 1 || t->ne[3] > 1 ? RG_KIND_ATTENTION : RG_KIND_OTHER;
 }
 
 static double node_flops(const struct ggml_tensor * t) {

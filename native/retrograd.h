@@ -288,19 +288,21 @@ void      rg_engine_profile_reset(rg_engine * engine);
  * type; k a multiple of its block size) with an F32 [k, n] one: seconds per product, the median
  * rate is 2 m n k / seconds. A yardstick for the profile's FLOP rates, measured in the same run. */
 rg_status rg_matmul_bench(int type, int64_t m, int64_t n, int64_t k, int n_threads, int reps, double * seconds_out);
-/* The same for the packed BF16 product (gemm.c's kernel now, rg_gemm_kernel) of an [m, k] weight
- * and [k, n] activations, both packed beforehand: the product alone. RG_ERR_ARG where it does not run. */
+/* The same for the packed product (gemm.c's kernel now, rg_gemm_kernel: BF16, or F16 weights times
+ * F32 activations on AVX2) of an [m, k] weight and [k, n] activations, both packed beforehand: the
+ * product alone. RG_ERR_ARG where it does not run. */
 rg_status rg_gemm_bench(int64_t m, int64_t n, int64_t k, int n_threads, int reps, double * seconds_out);
-/* The packed BF16 product (gemm.c) on its own, for tests against an oracle: w [n_out, n_in] (row-major
- * floats) is quantized to ggml type `type` (or kept, F32) and written back dequantized to w_dequant;
- * out = W x for x [n_tokens, n_in], or W^T x for x [n_tokens, n_out] when transposed, each row of out
- * one token's outputs; with rank > 0, plus the low-rank term V Z for v [rank, rows] and z
- * [n_tokens, rank] (F32, not rounded). RG_ERR_ARG on a CPU without AVX512-BF16 (or
- * RETRO_PACKED_GEMM=0). */
-/* 1 where the packed BF16 product runs: a CPU with AVX512-BF16, RETRO_PACKED_GEMM not "0" (the
- * training graph then multiplies the converted base weights through it, gemm.c); the kernel it runs
- * now: "amx-bf16" (AMX tiles, where the CPU and Linux allow them, unless RETRO_PACKED_GEMM=avx512),
- * "avx512-bf16" or "none" */
+/* The packed product (gemm.c, the kernel now) on its own, for tests against an oracle: w [n_out, n_in]
+ * (row-major floats) is quantized to ggml type `type` (or kept, F32) and written back dequantized to
+ * w_dequant; out = W x for x [n_tokens, n_in], or W^T x for x [n_tokens, n_out] when transposed, each
+ * row of out one token's outputs; with rank > 0, plus the low-rank term V Z for v [rank, rows] and z
+ * [n_tokens, rank] (F32, not rounded). The kernel rounds W to BF16 and x to BF16 (the BF16 kernels),
+ * or W to F16 and x not at all (avx2-f16). RG_ERR_ARG where no kernel runs (or RETRO_PACKED_GEMM=0). */
+/* 1 where the packed product runs: a CPU with AVX512-BF16, or AVX2 + FMA + F16C, and RETRO_PACKED_GEMM
+ * not "0" (the training graph then multiplies the base weights it converts to the kernel's type through
+ * it, gemm.c); the kernel it runs now: "amx-bf16" (AMX tiles, where the CPU and Linux allow them, unless
+ * RETRO_PACKED_GEMM=avx512), "avx512-bf16", "avx2-f16" (a CPU without AVX512-BF16, or
+ * RETRO_PACKED_GEMM=avx2) or "none" */
 int          rg_gemm_available(void);
 const char * rg_gemm_kernel(void);
 rg_status rg_gemm_check(int type, const float * w, int64_t n_out, int64_t n_in, const float * x, int64_t n_tokens,

@@ -293,12 +293,12 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
         /* outer.c's kernels allowed (CPU only: another device runs ggml's own ops) */
         const bool own = !b->exact_ops && b->on_cpu && ggml_is_contiguous(node);
         if (node->op == GGML_OP_MUL_MAT && own && b->packed) {
-            /* a base weight's product through its BF16 conversion (graph.c's linear, DoRA's W A^T):
-             * gemm.c's kernel on the weight packed as stored. The conversion node loses its user and
-             * is never computed. */
+            /* a base weight's product through its 16-bit conversion (graph.c's linear, DoRA's W A^T;
+             * BF16 or F16, the type this mode converts to, which the kernel replaces): gemm.c's kernel
+             * on the weight packed as stored. The conversion node loses its user and is never computed. */
             struct ggml_tensor * c = node->src[0], * x = node->src[1];
             struct ggml_tensor * w = rg_base_weight_of(b->model, c);
-            if (w && ggml_is_quantized(w->type) && c->type == GGML_TYPE_BF16 && c->ne[0] == w->ne[0] &&
+            if (w && ggml_is_quantized(w->type) && c->type == rg_conv_type(b->matmul_mode) && c->ne[0] == w->ne[0] &&
                 node->ne[0] == w->ne[1] && node->ne[2] == 1 && rg_pack_act_fits(x)) {
                 become(node, rg_gemm(ctx, packed_weight(&pw, ctx, b->model, w, false), packed_act(&pa, ctx, x),
                                      node->ne[0], node->ne[1]));

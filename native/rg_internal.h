@@ -147,7 +147,7 @@ typedef struct {
     bool                 on_cpu;      /* the weights live on the CPU: retrograd's CPU kernels (outer.c,
                                        * convert.c) may run; on another device only ggml's ops do */
     int                  matmul_mode; /* RG_MATMUL_* */
-    bool                 packed;      /* the BF16 products of base weights through gemm.c (rg_gemm_for_mode) */
+    bool                 packed;      /* the converted base weights' products through gemm.c (rg_gemm_for_mode) */
     /* after the backward is built, consumers of subst_from[i] read subst_to[i] instead: the
      * forward value then comes from llama.cpp's own fused op (bit-equal outputs) while the
      * gradient comes from the composite that has a backward */
@@ -235,12 +235,17 @@ bool rg_outer_sum_fits(const struct ggml_tensor * p, const struct ggml_tensor * 
 struct ggml_tensor * rg_rank_expand(struct ggml_context * ctx, struct ggml_tensor * v, struct ggml_tensor * z);
 bool rg_rank_expand_fits(const struct ggml_tensor * v, const struct ggml_tensor * z);
 
-/* gemm.c: the frozen weights' BF16 products through packed operands (see there; rg_gemm_available
- * in retrograd.h says whether this CPU runs them). A weight packed as stored (rows = n_out) or
- * transposed (rows = n_in); activations [k, T] packed (fits: F32, 2-D, columns contiguous); their
- * product [rows, T]. */
+/* gemm.c: the frozen weights' 16-bit products through packed operands (see there; rg_gemm_available
+ * in retrograd.h says whether this CPU runs them, rg_gemm_kernel which kernel). A weight packed as
+ * stored (rows = n_out) or transposed (rows = n_in); activations [k, T] packed (fits: F32, 2-D,
+ * columns contiguous); their product [rows, T]. The packed types and shapes follow the kernel in use:
+ * rg_packed_weight_shape gives the weight's (and returns its type). */
 struct ggml_tensor * rg_pack_weight(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed);
-void                 rg_packed_weight_shape(const struct ggml_tensor * w, bool transposed, int64_t ne[2]);
+enum ggml_type       rg_packed_weight_shape(const struct ggml_tensor * w, bool transposed, int64_t ne[2]);
+/* whether a kept packed copy of w (the weight cache's, the LM head's) is in the kernel's layout now:
+ * not after RETRO_PACKED_GEMM changed the kernel */
+bool                 rg_packed_weight_current(const struct ggml_tensor * packed, const struct ggml_tensor * w,
+                                              bool transposed);
 bool                 rg_pack_act_fits(const struct ggml_tensor * x);
 struct ggml_tensor * rg_pack_act(struct ggml_context * ctx, struct ggml_tensor * x);
 struct ggml_tensor * rg_gemm(struct ggml_context * ctx, struct ggml_tensor * packed_w, struct ggml_tensor * packed_x,
@@ -274,10 +279,21 @@ static inline uint16_t rg_lanes16(int64_t n) { return n >= 16 ? 0xffff : n <= 0 
 bool rg_amx_ready(void);
 void rg_amx_pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 void rg_amx_gemm(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+/* gemm_avx2.c: the same product for CPUs without AVX512-BF16, F16 weights times F32 activations.
+ * rg_avx2_ready: the CPU has AVX2, FMA and F16C. The weight packed as F16 [RG_AVX2_MR k, row blocks],
+ * the activations as F32 [RG_AVX2_NR k, token blocks]; the three are ggml custom ops for gemm.c's
+ * builders (the weight's userdata non-NULL: transposed). */
+#define RG_AVX2_MR 16
+#define RG_AVX2_NR 6
+bool rg_avx2_ready(void);
+void rg_avx2_pack_weight(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+void rg_avx2_pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+void rg_avx2_gemm(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 /* the FLOPs of a gemm.c product node (its contraction rounded up to even, plus the low-rank term), else 0 */
 double               rg_gemm_flops(const struct ggml_tensor * t);
-/* whether a graph of this matmul mode multiplies converted base weights through gemm.c (BF16 modes on
- * a CPU that runs it); the weight cache then holds packed copies */
+/* whether a graph of this matmul mode multiplies converted base weights through gemm.c: the mode
+ * converts them to the kernel's weight type (BF16 for the BF16 kernels, F16 for avx2-f16; the
+ * explicit mode or auto, never native or f32); the weight cache then holds packed copies */
 bool                 rg_gemm_for_mode(int matmul_mode);
 
 /* Whether a weight of this type is multiplied through an on-the-fly 16-bit copy, and which type

@@ -4,8 +4,9 @@
  * every quantized weight twice per micro-batch (forward and, transposed, backward: about a tenth
  * of an SFT step on the default model, docs/benchmarks.md).
  *
- * Where the graph multiplies through gemm.c (BF16 on CPUs with AVX512-BF16) the copies are packed
- * for it instead, by its own packing op. The base never changes, so the copies are made once and
+ * Where the graph multiplies through gemm.c (BF16 on CPUs with AVX512-BF16, F16 on other AVX2 CPUs)
+ * the copies are packed for its kernel instead, by its own packing op, in that kernel's type and
+ * layout (rg_packed_weight_shape). The base never changes, so the copies are made once and
  * stay valid; the op the graph would run makes them, so a graph that reads them computes bit for
  * bit what it computed before. Within a byte budget,
  * transposed copies come first (the backward's conversion is the dearer one), then forward ones, layer by
@@ -82,11 +83,11 @@ rg_status rg_model_set_weight_cache(rg_model * m, size_t budget_bytes, int matmu
                 const struct ggml_tensor * w = m->layers[il].w[t];
                 if (!converted(w, tr == 1, matmul_mode)) continue;
                 int64_t ne[2] = { tr ? w->ne[1] : w->ne[0], tr ? w->ne[0] : w->ne[1] };
-                if (m->cache_packed) rg_packed_weight_shape(w, tr == 1, ne);
-                const size_t bytes = ggml_row_size(ct, ne[0]) * (size_t) ne[1];
+                const enum ggml_type type = m->cache_packed ? rg_packed_weight_shape(w, tr == 1, ne) : ct;
+                const size_t bytes = ggml_row_size(type, ne[0]) * (size_t) ne[1];
                 if (total + bytes > budget_bytes) continue;
-                struct ggml_tensor * c = ggml_new_tensor_2d(m->cache_ctx, ct, ne[0], ne[1]);
-                ggml_format_name(c, "%s (%s%s%s, cached)", w->name, ggml_type_name(ct), m->cache_packed ? ", packed" : "",
+                struct ggml_tensor * c = ggml_new_tensor_2d(m->cache_ctx, type, ne[0], ne[1]);
+                ggml_format_name(c, "%s (%s%s%s, cached)", w->name, ggml_type_name(type), m->cache_packed ? ", packed" : "",
                                  tr ? ", transposed" : "");
                 m->cache[il][t][tr] = c;
                 total += bytes;
@@ -122,8 +123,11 @@ static struct ggml_tensor * cached(const rg_model * m, const struct ggml_tensor 
     return NULL;
 }
 
+/* only a copy in the layout of the kernel in use: one packed for another (RETRO_PACKED_GEMM changed
+ * since the cache was made) would be read as garbage */
 struct ggml_tensor * rg_model_cached_packed(const rg_model * m, const struct ggml_tensor * w, bool transposed) {
-    return m->cache_packed ? cached(m, w, transposed) : NULL;
+    struct ggml_tensor * c = m->cache_packed ? cached(m, w, transposed) : NULL;
+    return c && rg_packed_weight_current(c, w, transposed) ? c : NULL;
 }
 
 struct ggml_tensor * rg_model_cached(const rg_model * m, const struct ggml_tensor * w, bool transposed, enum ggml_type type) {

@@ -423,10 +423,11 @@ def matmul_bench(type_name: str, m: int, n: int, k: int, *, threads: int, reps: 
 
 def gemm_check(type_name: str, w: np.ndarray, x: np.ndarray, *, transposed: bool = False,
                lowrank: tuple[np.ndarray, np.ndarray] | None = None, threads: int = 2) -> tuple[np.ndarray, np.ndarray]:
-    """The packed BF16 product (native/gemm.c) on its own: `w` [n_out, n_in] quantized to `type_name`,
-    times `x` [tokens, n_in] (or W^T times `x` [tokens, n_out] when `transposed`), plus `z @ v` for
-    `lowrank` = (v [rank, rows], z [tokens, rank]). Returns the product [tokens, rows] and W as
-    quantized, dequantized, for an oracle. Raises on a CPU without AVX512-BF16."""
+    """The packed product (native/gemm.c, gemm_kernel()'s) on its own: `w` [n_out, n_in] quantized to
+    `type_name`, times `x` [tokens, n_in] (or W^T times `x` [tokens, n_out] when `transposed`), plus
+    `z @ v` for `lowrank` = (v [rank, rows], z [tokens, rank]). The BF16 kernels round W and x to BF16;
+    "avx2-f16" rounds W to F16 and keeps x in F32. Returns the product [tokens, rows] and W as
+    quantized, dequantized, for an oracle. Raises where no kernel runs (gemm_available())."""
     if type_name not in _GGML_TYPES:
         raise ValueError(f"gemm_check: unknown type {type_name!r} (one of {', '.join(_GGML_TYPES)})")
     w = np.ascontiguousarray(w, dtype=np.float32)
@@ -445,21 +446,25 @@ def gemm_check(type_name: str, w: np.ndarray, x: np.ndarray, *, transposed: bool
 
 
 def gemm_bench(m: int, n: int, k: int, *, threads: int = 2, reps: int = 5) -> float:
-    """FLOP/s of the packed BF16 product (gemm_kernel()'s) of an [m, k] weight with [k, n] activations,
-    both packed beforehand: the product alone. Raises where it does not run (gemm_available())."""
+    """FLOP/s of the packed product (gemm_kernel()'s: BF16, or "avx2-f16"'s F16 weights times F32
+    activations) of an [m, k] weight with [k, n] activations, both packed beforehand: the product
+    alone. Raises where it does not run (gemm_available())."""
     out = ffi.new("double *")
     _check(lib.rg_gemm_bench(m, n, k, threads, reps, out))
     return 2.0 * m * n * k / out[0]
 
 
 def gemm_available() -> bool:
-    """Whether the packed BF16 product runs on this CPU (AVX512-BF16, RETRO_PACKED_GEMM not 0)."""
+    """Whether a packed product runs on this CPU: AVX512-BF16 (the BF16 kernels) or AVX2 + FMA + F16C
+    (the F16 one), RETRO_PACKED_GEMM not 0. The training graph takes it in the modes that convert to
+    the kernel's type (bf16 or f16, and auto where that is its type)."""
     return bool(lib.rg_gemm_available())
 
 
 def gemm_kernel() -> str:
-    """The packed product's kernel now: "amx-bf16", "avx512-bf16" or "none" (RETRO_PACKED_GEMM=0, or
-    a CPU without AVX512-BF16); RETRO_PACKED_GEMM=avx512 keeps AVX512-BF16 on an AMX CPU."""
+    """The packed product's kernel now: "amx-bf16", "avx512-bf16", "avx2-f16" (F16 weights times F32
+    activations, on a CPU without AVX512-BF16) or "none" (RETRO_PACKED_GEMM=0, or a CPU with neither);
+    RETRO_PACKED_GEMM=avx512 keeps AVX512-BF16 on an AMX CPU, =avx2 forces "avx2-f16" on a BF16 one."""
     return ffi.string(lib.rg_gemm_kernel()).decode()
 
 
