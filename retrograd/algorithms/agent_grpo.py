@@ -54,6 +54,8 @@ def make_env(run: RunContext, gen, toolbox: ToolBox) -> AgentEnv:
 
 
 class AgentGRPO(GRPO):
+    resample_together = True
+
     def __init__(self, run: RunContext) -> None:
         self.toolbox = ToolBox.from_config(run.cfg)
         try:
@@ -80,21 +82,36 @@ class AgentGRPO(GRPO):
         return [SamplingParams(g.temperature, g.top_p, g.top_k, a.max_new_tokens, int(s), tuple(g.stop)) for s in seeds]
 
     def _rollout(self) -> Rollout:
+        """Every group of the step in one rollout (one batch per turn for all of them); then, up to
+        [grpo].resample_zero_groups times, the groups whose rewards were all equal (no signal) are
+        replaced by fresh scenarios, again rolled out together."""
         g = self.run.cfg.grpo
         t0 = time.monotonic()
         self.sync_adapter()
+        chosen = list(self.stream.take(n=g.prompts_per_step))
+        kept_trajs: list[list[Trajectory]] = [[] for _ in chosen]
+        todo, tool_s, resampled = list(range(len(chosen))), 0.0, 0
+        for attempt in range(g.resample_zero_groups + 1):
+            if attempt:
+                resampled += len(todo)
+                for pi, scenario in zip(todo, self.stream.take(n=len(todo))):
+                    chosen[pi] = scenario
+            scen, params, ids = [], [], []
+            for pi in todo:
+                scen += [chosen[pi]] * g.group_size
+                params += self.sampling(self.seeds(pi, attempt, n=g.group_size))
+                ids += [f"{self.rollout_index}-{pi}-{attempt}-{k}" for k in range(g.group_size)]
+            trajs = rollout(self.env, scen, params, ids)
+            tool_s += max(t.tool_seconds for t in trajs)
+            for j, pi in enumerate(todo):
+                kept_trajs[pi] = trajs[j * g.group_size:(j + 1) * g.group_size]
+                score_group(kept_trajs[pi], self.judge, self.run.cfg.agent.tool_use_reward)
+            todo = [pi for pi in todo if len({t.reward for t in kept_trajs[pi]}) == 1]
+            if not todo:
+                break
         groups, lengths, slogp, owners, rewards, every = [], [], [], [], [], []
-        zero, tool_s = 0, 0.0
-        for pi, scenario in enumerate(self.stream.take(n=g.prompts_per_step)):
-            for attempt in range(g.resample_zero_groups + 1):
-                params = self.sampling(self.seeds(pi, attempt, n=g.group_size))
-                ids = [f"{self.rollout_index}-{pi}-{attempt}-{k}" for k in range(g.group_size)]
-                trajs = rollout(self.env, [scenario] * g.group_size, params, ids)
-                score_group(trajs, self.judge, self.run.cfg.agent.tool_use_reward)
-                tool_s += max(t.tool_seconds for t in trajs)
-                if len({t.reward for t in trajs}) > 1 or attempt == g.resample_zero_groups:
-                    break
-                scenario = self.stream.take(n=1)[0]
+        zero = 0
+        for pi, trajs in enumerate(kept_trajs):
             zero += len({t.reward for t in trajs}) == 1
             every += trajs
             kept = [t for t in trajs if t.n_trained]
@@ -112,7 +129,8 @@ class AgentGRPO(GRPO):
         r = np.asarray(rewards, np.float64)
         adv = group_advantages(r, np.asarray(owners), scale=g.scale_rewards and g.loss != "dr_grpo")
         stats = {"reward_mean": float(r.mean()) if len(r) else 0.0, "reward_std": float(r.std()) if len(r) else 0.0,
-                 "zero_signal_groups": float(zero), "completion_len": float(np.mean(lengths)) if lengths else 0.0,
+                 "zero_signal_groups": float(zero), "resampled_groups": float(resampled),
+                 "completion_len": float(np.mean(lengths)) if lengths else 0.0,
                  **group_stats(every), "gen_s": time.monotonic() - t0 - tool_s, "tool_s": tool_s}
         return Rollout(groups, adv, np.asarray(lengths, np.float64), slogp, stats=stats)
 

@@ -174,6 +174,27 @@ def test_agent_grpo_trains_and_resumes_exactly(smollm, notes_adapter, tmp_path):
     assert (tmp_path / "a/runs/a/adapter.gguf").read_bytes() == (tmp_path / "b/runs/a/adapter.gguf").read_bytes()
 
 
+def test_zero_signal_groups_are_resampled_together(smollm, notes_adapter, tmp_path):
+    """Dynamic sampling: a group whose rollouts all get the same reward teaches nothing, so with
+    [grpo].resample_zero_groups = 2 it is replaced by another scenario, twice; here no scenario can
+    pass (its verify asks for a word no note holds), so every group is resampled twice and the step
+    still trains (zero advantages, a finite loss)."""
+    never = tmp_path / "never.jsonl"
+    never.write_text("".join(json.dumps({"id": f"never-{i}", "task": f"What does the note titled '{t}' say?",
+                                         "verify": {"answer_contains": "qqxqq-not-in-any-note"}}) + "\n"
+                             for i, t in enumerate(["dentist", "wifi", "gym", "rent", "vet"])))
+    cfg = agent_config(tmp_path / "z", smollm, notes_adapter, steps=1)
+    text = cfg.read_text().replace(str(EXAMPLE / "scenarios.jsonl"), str(never))
+    text = text.replace("prompts_per_step = 1", "prompts_per_step = 2\nresample_zero_groups = 2")
+    text = text.replace("group_size = 3", "group_size = 2").replace("max_new_tokens = 48", "max_new_tokens = 24")
+    cfg.write_text(text.replace("[evaluation]\n", "[evaluation]\nevery_steps = 0\n"))
+    train(open_model(load(cfg)))
+    rows = [json.loads(x) for x in (tmp_path / "z/runs/a/metrics.jsonl").read_text().splitlines()]
+    step1 = next(r for r in rows if r.get("step") == 1 and "loss" in r)
+    assert step1["resampled_groups"] == 4 and step1["zero_signal_groups"] == 2
+    assert step1["reward_mean"] == 0 and np.isfinite(step1["loss"])
+
+
 def test_collect_writes_trainable_traces_and_pairs(smollm, notes_adapter, tmp_path):
     cfg = agent_config(tmp_path, smollm, notes_adapter)
     out, rep = tmp_path / "traces.jsonl", tmp_path / "report.json"
