@@ -97,9 +97,10 @@ class TrainingSection:
                                       "the LoRA+ paper suggests 16)", min=0.0)
     matmul_precision: str = opt("auto", "how the frozen quantized weights are multiplied on the CPU: through a "
                                         "16-bit copy made per micro-batch, bf16 (the faster where the CPU has "
-                                        "AVX512-BF16) or f16 (3 more bits of mantissa); auto: bf16 on such CPUs, "
-                                        "else f16; native: llama.cpp's own quantized kernels (log-probs bit-equal "
-                                        "to llama.cpp's, slower on most types) (docs/numerics.md)",
+                                        "AVX512-BF16) or f16 (3 more bits of mantissa; packed with F32 activations "
+                                        "on CPUs with AVX2); auto: bf16 on such CPUs, else f16 (`retrograd "
+                                        "preflight` says which); native: llama.cpp's own quantized kernels "
+                                        "(log-probs bit-equal to llama.cpp's, slower on most types) (docs/numerics.md)",
                                 choices=("auto", "bf16", "f16", "native"))
     weight_cache_mb: int = opt(0, "MiB of 16-bit copies of the quantized base weights kept between micro-batches "
                                   "(CPU; 0: convert per micro-batch); results are unchanged", min=0)

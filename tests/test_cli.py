@@ -10,6 +10,7 @@ import sys
 import pytest
 from conftest import THREADS, train_sft
 
+from retrograd import native
 from retrograd.cli import NOT_BUILT
 
 #: the flags and environment variables the specification's command reference names
@@ -65,6 +66,9 @@ def test_preflight_and_missing_model(smollm, tmp_path):
     out = cli("preflight", "--model", str(smollm), "--targets", "q,v", "--strict")
     assert out.returncode == 0 and "every op of the training graph" in out.stdout
     assert "slow paths" not in out.stdout, out.stdout      # the CPU build's own route for every op
+    kernel = native.gemm_kernel()                             # and which product route auto takes, and why
+    assert f"packed kernel {kernel}" in out.stdout and ("AVX" in out.stdout or "AMX" in out.stdout
+                                                        or kernel == "none"), out.stdout
     out = cli("preflight", "--model", str(tmp_path / "nope.gguf"))
     assert out.returncode == 1 and "no such model file" in out.stderr and "Traceback" not in out.stderr
     out = cli("preflight", "--model", str(smollm), "--targets", "q,zz")

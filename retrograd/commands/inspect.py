@@ -72,12 +72,24 @@ def run_preflight(args: argparse.Namespace) -> int:
         print(f"{dev.name} cannot run these ops of the training graph ({scope}); they fall back to the CPU:")
         for op, n in unsupported.items():
             print(f"  {op:<20} {n}")
+    if dev.kind == "cpu":
+        print(cpu_route())
     slow = e.slow_paths() + device_slow_paths(dev)
     if slow:
         print("slow paths (they run on the device, at a cost):")
         for what, n, why in slow:
             print(f"  {what} ({n}): {why}")
     return 1 if unsupported and args.strict else 0
+
+
+def cpu_route() -> str:
+    """Which route [training].matmul_precision = "auto" takes for the frozen weights here, and why."""
+    kind, kernel = native.conv_type("auto"), native.gemm_kernel()
+    why = {"amx-bf16": "this CPU has AMX tiles",
+           "avx512-bf16": "this CPU has AVX512-BF16 dot products",
+           "avx2-f16": "this CPU has AVX2, FMA and F16C but no AVX512-BF16 (F32 activations, F16 weights)",
+           "none": "no packed kernel runs here (or RETRO_PACKED_GEMM=0): ggml's own product"}[kernel]
+    return f"base-weight products (matmul_precision auto): {kind}, packed kernel {kernel}: {why}"
 
 
 def device_slow_paths(dev: native.DeviceInfo) -> list[tuple[str, int, str]]:
