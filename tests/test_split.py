@@ -212,7 +212,9 @@ def test_the_joint_adapter_is_the_offsets_and_the_training_adapter(tiny, tmp_pat
     # equal but for the order of float sums, which this random model's large logits amplify; the
     # training adapter's own effect is far larger
     gap, effect = np.abs(a - b).mean(), np.abs(c - a).mean()
-    assert gap < 1e-3 < effect, (gap, effect)
+    # (0.0 on Zen 4; 0.013 against an effect of 1.66 on an AVX2-only EPYC, where llama.cpp's kernels
+    # for the two shapes sum in different orders)
+    assert gap < effect / 50 and effect > 0.5, (gap, effect)
 
 
 def test_a_rejected_adapter_leaves_the_split_generator_with_its_offsets(tiny, tmp_path):
