@@ -33,6 +33,9 @@ extras=""
 [ "$want_test" = 1 ] && extras="[test]"
 "${pip[@]}" install --no-build-isolation -e ".$extras" 2>&1 | sed '/is ignored/d'
 .venv/bin/python -c "import retrograd.native" || { echo "the native library did not build" >&2; exit 1; }
+# an editable install leaves the data files out: put the manual pages where man finds them for a
+# PATH holding .venv/bin (man-db looks in BIN/../share/man), or MANPATH=.venv/share/man
+mkdir -p .venv/share/man/man1 && cp man/man1/*.1 .venv/share/man/man1/
 if [ "$want_test" = 1 ]; then
   .venv/bin/retrograd models fetch --gemma 2>&1 | sed '/is ignored/d'
 else

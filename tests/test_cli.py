@@ -138,6 +138,12 @@ def test_man_pages_match_the_parsers():
         shown = subprocess.run(["man", "-l", str(root / "man" / "man1" / "retrograd-server.1")], capture_output=True,
                                text=True, timeout=60, env={**os.environ, "MANPAGER": "cat", "MANWIDTH": "100"})
         assert shown.returncode == 0 and "--state-dir" in shown.stdout
+        # installed where man looks for the environment's commands (setup.sh copies them into the
+        # venv for an editable install; a wheel installs them as data files)
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        env.pop("MANPATH", None)
+        where = subprocess.run(["man", "-w", "retrograd-train"], capture_output=True, text=True, timeout=60, env=env)
+        assert where.returncode == 0 and Path(where.stdout.strip()).is_relative_to(Path(sys.prefix)), where
 
 
 @pytest.mark.parametrize("env, shown", [
