@@ -8,7 +8,7 @@ check the F32 KV cache and the plain kernels are chosen, so both sides compute t
 
 from __future__ import annotations
 
-import numpy as np
+from retrograd.eval.llama_ppl import token_logprobs
 
 
 def llama(path, lora_path=None, n_ctx=1024, exact=True):
@@ -20,10 +20,5 @@ def llama(path, lora_path=None, n_ctx=1024, exact=True):
                        logits_all=True, n_ctx=n_ctx, n_threads=2, **kw)
 
 
-def next_token_logprobs(llm, tokens) -> np.ndarray:
-    llm.reset()
-    llm.eval(list(tokens))
-    sc = np.array(llm.scores[: len(tokens)], dtype=np.float64)
-    sc -= sc.max(1, keepdims=True)
-    ls = sc - np.log(np.exp(sc).sum(1, keepdims=True))
-    return ls[np.arange(len(tokens) - 1), np.asarray(tokens[1:])]
+#: log p(tokens[i] | tokens[:i]) from llama.cpp's logits (the export's scorer)
+next_token_logprobs = token_logprobs

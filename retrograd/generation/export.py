@@ -39,7 +39,7 @@ from retrograd.data import tokenizer as tok_mod
 from retrograd.data.tokenizer import quiet_llama_logs
 from retrograd.errors import RetrogradError
 from retrograd.fsutil import atomic_path, tmp_name
-from retrograd.generation.merge import merged_weight
+from retrograd.generation.merge import merged_weight, open_base
 from retrograd.generation.rewrite import rewrite
 
 TYPES = ("q4_k_m", "q5_k_m", "q6_k", "q8_0", "f16", "same")
@@ -132,20 +132,6 @@ def merged_f32(t, ad: adapter_io.AdapterFile) -> np.ndarray:
     return (w.astype(np.float64) + ad.scale * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
 
 
-def _open(base: Path, ad: adapter_io.AdapterFile):
-    import gguf
-
-    reader = gguf.GGUFReader(str(base))
-    arch = str(reader.fields["general.architecture"].contents())
-    if arch != ad.arch:
-        raise ExportError(f"{base}: the model is {arch!r}, the adapter is for {ad.arch!r}")
-    names = {n.removesuffix(".lora_a") for n in ad.tensors if n.endswith(".lora_a")}
-    missing = names - {t.name for t in reader.tensors}
-    if missing:
-        raise ExportError(f"{base}: the adapter adapts {sorted(missing)[0]}, which the model does not have")
-    return reader, names
-
-
 def export(base: Path, ad: adapter_io.AdapterFile, out: Path, kind: str, *, threads: int = 0,
            progress: ProgressFn | None = None) -> ExportResult:
     """Write base with `ad` merged in to `out` (atomically) in `kind` (one of TYPES)."""
@@ -153,7 +139,7 @@ def export(base: Path, ad: adapter_io.AdapterFile, out: Path, kind: str, *, thre
         raise ExportError(f"--type {kind!r}: expected one of {', '.join(TYPES)}")
     quiet_llama_logs()          # llama_model_quantize reports every tensor at info level
     t0 = time.monotonic()
-    reader, names = _open(base, ad)
+    reader, names = open_base(base, ad, ExportError)
     report = progress or (lambda *_: None)
     done = [0]
 

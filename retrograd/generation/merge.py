@@ -65,22 +65,30 @@ def merged_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, m: np.ndarray, sc
     return v * (m.astype(np.float64) / np.linalg.norm(v, axis=1, keepdims=True))
 
 
-def write_merged(base: Path, ad: adapter_io.AdapterFile, out: Path, fmt: str = FORMATS[0]) -> MergeReport:
-    """Write base with ad merged in (atomically) and report what the format kept."""
+def open_base(base: Path, ad: adapter_io.AdapterFile, error: type[RetrogradError] = RetrogradError):
+    """The base GGUF's reader and the names of the weights the adapter adapts, after checking that
+    the adapter is for this model (`error` raised otherwise)."""
     import gguf
 
+    reader = gguf.GGUFReader(str(base))
+    arch = str(reader.fields["general.architecture"].contents())
+    if arch != ad.arch:
+        raise error(f"{base}: the model is {arch!r}, the adapter is for {ad.arch!r}")
+    names = {n.removesuffix(".lora_a") for n in ad.tensors if n.endswith(".lora_a")}
+    missing = names - {t.name for t in reader.tensors}
+    if missing:
+        raise error(f"{base}: the adapter adapts {sorted(missing)[0]}, which the model does not have")
+    return reader, names
+
+
+def write_merged(base: Path, ad: adapter_io.AdapterFile, out: Path, fmt: str = FORMATS[0]) -> MergeReport:
+    """Write base with ad merged in (atomically) and report what the format kept."""
     if ad.kind != "dora":
         raise RetrogradError("only a DoRA adapter is merged; llama.cpp applies a LoRA adapter itself")
     if fmt not in FORMATS:
         raise RetrogradError(f"merge format {fmt!r} is not one of {', '.join(FORMATS)}")
-    reader = gguf.GGUFReader(str(base))
-    arch = str(reader.fields["general.architecture"].contents())
-    if arch != ad.arch:
-        raise RetrogradError(f"{base}: the model is {arch!r}, the adapter is for {ad.arch!r}")
-    names = {n.removesuffix(".lora_a") for n in ad.tensors if n.endswith(".lora_a")}
-    missing = names - {t.name for t in reader.tensors}
-    if missing:
-        raise RetrogradError(f"{base}: the adapter adapts {sorted(missing)[0]}, which the model does not have")
+    reader, names = open_base(base, ad)
+
     def kind_of(t) -> int:
         kind = {"f16": _F16, "q8_0": _Q8_0, "base": int(t.tensor_type)}[fmt]
         return _F16 if kind == _Q8_0 and int(t.shape[0]) % 32 else kind    # rows that do not fill Q8_0's blocks
