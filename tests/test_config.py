@@ -61,27 +61,3 @@ def test_describe_lists_every_section():
     text = describe()
     for section in ("[model]", "[lora]", "[run]", "[data]", "[training]", "[checkpoint]", "[evaluation]"):
         assert section in text
-
-
-def test_every_key_is_in_the_readme_configuration_reference():
-    import dataclasses
-
-    from retrograd.config import Config
-
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    reference = text[text.index("## Configuration"):text.index("## Data")]
-    missing = []
-
-    def walk(sec, name: str) -> None:
-        for f in dataclasses.fields(sec):
-            value = getattr(sec, f.name)
-            if dataclasses.is_dataclass(value):
-                walk(value, f"{name}.{f.name}")
-            elif f"`{f.name}`" not in reference:
-                missing.append(f"[{name}].{f.name}")
-
-    cfg = Config()
-    for f in dataclasses.fields(Config):
-        if f.name not in ("source", "base_dir"):
-            walk(getattr(cfg, f.name), f.name)
-    assert not missing, f"keys missing from the README's configuration table: {missing}"
