@@ -94,8 +94,35 @@ static rg_vis vis_of(const struct ggml_tensor * t, const rg_attn_params * p) {
     return (rg_vis) { d, d + T, d + 2 * T, p->n_swa };
 }
 
-/* ok[i][j] for queries i0.. (m) and keys j0.. (n); whether any pair is visible */
-static bool visible(const rg_vis * v, int64_t i0, int m, int64_t j0, int n, uint8_t ok[RG_BQ][RG_BK]) {
+/* what a tile of queries i0.. (m) by keys j0.. (n) sees: nothing, everything, or some pairs (then
+ * ok[i][j] says which) */
+enum { RG_SEE_NONE, RG_SEE_ALL, RG_SEE_SOME };
+
+/* Decided from the tile's edges where it can (O(m + n)): most tiles of a batch lie wholly inside
+ * one sequence's causal triangle or wholly outside it, and building the m x n mask for every tile,
+ * head and pass cost more than the tile products of a 4 x 256-token step. Only tiles on a diagonal
+ * or a sequence boundary get the pairwise mask. */
+static int visible(const rg_vis * v, int64_t i0, int m, int64_t j0, int n, uint8_t ok[RG_BQ][RG_BK]) {
+    const int32_t s = v->seq[i0], pf = v->prefix[i0];
+    bool one_q = true, one_k = true;
+    int32_t qmin = v->pos[i0], qmax = qmin, kmin = v->pos[j0], kmax = kmin;
+    for (int i = 1; i < m; i++) {
+        one_q &= v->seq[i0 + i] == s && v->prefix[i0 + i] == pf;
+        const int32_t q = v->pos[i0 + i];
+        qmin = q < qmin ? q : qmin;
+        qmax = q > qmax ? q : qmax;
+    }
+    const int32_t sk = v->seq[j0];
+    for (int j = 1; j < n; j++) {
+        one_k &= v->seq[j0 + j] == sk;
+        const int32_t k = v->pos[j0 + j];
+        kmin = k < kmin ? k : kmin;
+        kmax = k > kmax ? k : kmax;
+    }
+    if (one_q && one_k) {
+        if ((sk != s && sk != pf) || kmin > qmax || (v->n_swa > 0 && qmin - kmax >= v->n_swa)) return RG_SEE_NONE;
+        if (kmax <= qmin && (v->n_swa <= 0 || qmax - kmin < v->n_swa)) return RG_SEE_ALL;
+    }
     bool any = false;
     for (int i = 0; i < m; i++) {
         const int32_t si = v->seq[i0 + i], pi = v->prefix[i0 + i], qi = v->pos[i0 + i];
@@ -106,7 +133,7 @@ static bool visible(const rg_vis * v, int64_t i0, int m, int64_t j0, int n, uint
             any |= o;
         }
     }
-    return any;
+    return any ? RG_SEE_SOME : RG_SEE_NONE;
 }
 
 void rg_attn_fill_vis(const rg_batch * batch, int32_t * out) {
@@ -162,13 +189,18 @@ static rg_attn_args args_of(const struct ggml_tensor * dst, const rg_attn_params
     return a;
 }
 
-/* S = scale q k^T for queries i0.. (m) of head h and keys j0.. (n); masked pairs -inf */
-static void scores(const rg_attn_args * a, int64_t h, int64_t i0, int m, int64_t j0, int n,
+/* S = scale q k^T for queries i0.. (m) of head h and keys j0.. (n); masked pairs -inf (`see`:
+ * visible()'s answer, RG_SEE_SOME reads ok) */
+static void scores(const rg_attn_args * a, int64_t h, int64_t i0, int m, int64_t j0, int n, int see,
                    uint8_t ok[RG_BQ][RG_BK], float S[RG_BQ][RG_BK]) {
     const int64_t g = h / a->rep;
     mm(&S[0][0], RG_BK, m, n, row(&a->q, h, i0), a->q.ld, 1, a->kt + (size_t) g * a->hd * a->T + j0, a->T, a->hd, false);
     for (int i = 0; i < m; i++) {
-        for (int j = 0; j < n; j++) S[i][j] = ok[i][j] ? S[i][j] * a->scale : -INFINITY;
+        if (see == RG_SEE_ALL) {
+            for (int j = 0; j < n; j++) S[i][j] *= a->scale;
+        } else {
+            for (int j = 0; j < n; j++) S[i][j] = ok[i][j] ? S[i][j] * a->scale : -INFINITY;
+        }
     }
 }
 
@@ -214,8 +246,9 @@ static void attn_forward(struct ggml_tensor * dst, int ith, int nth, void * user
         }
         for (int64_t j0 = 0; j0 < a.T; j0 += RG_BK) {
             const int n = min_int(a.T - j0, RG_BK);
-            if (!visible(&a.vis, i0, m, j0, n, ok)) continue;
-            scores(&a, h, i0, m, j0, n, ok, S);
+            const int see = visible(&a.vis, i0, m, j0, n, ok);
+            if (see == RG_SEE_NONE) continue;
+            scores(&a, h, i0, m, j0, n, see, ok, S);
             for (int i = 0; i < m; i++) {
                 float top = mx[i];
                 for (int j = 0; j < n; j++) top = S[i][j] > top ? S[i][j] : top;
@@ -261,8 +294,9 @@ static void attn_grad_q(struct ggml_tensor * dst, int ith, int nth, void * userd
         for (int i = 0; i < m; i++) memset(dQ[i], 0, sizeof(float) * (size_t) a.hd);
         for (int64_t j0 = 0; j0 < a.T; j0 += RG_BK) {
             const int n = min_int(a.T - j0, RG_BK);
-            if (!visible(&a.vis, i0, m, j0, n, ok)) continue;
-            scores(&a, h, i0, m, j0, n, ok, S);
+            const int see = visible(&a.vis, i0, m, j0, n, ok);
+            if (see == RG_SEE_NONE) continue;
+            scores(&a, h, i0, m, j0, n, see, ok, S);
             probs(&a, h, i0, m, j0, n, S, dS);
             mm(&dQ[0][0], RG_HD_MAX, m, (int) a.hd, &dS[0][0], RG_BK, 1, a.k.p + (size_t) g * a.k.lh + (size_t) j0 * a.k.ld,
                a.k.ld, n, true);
@@ -293,8 +327,9 @@ static void attn_grad_kv(struct ggml_tensor * dst, int ith, int nth, void * user
         for (int64_t h = g * a.rep; h < (g + 1) * a.rep; h++) {
             for (int64_t i0 = 0; i0 < a.T; i0 += RG_BQ) {
                 const int m = min_int(a.T - i0, RG_BQ);
-                if (!visible(&a.vis, i0, m, j0, n, ok)) continue;
-                scores(&a, h, i0, m, j0, n, ok, S);
+                const int see = visible(&a.vis, i0, m, j0, n, ok);
+                if (see == RG_SEE_NONE) continue;
+                scores(&a, h, i0, m, j0, n, see, ok, S);
                 probs(&a, h, i0, m, j0, n, S, dS);
                 /* dV += P^T dO, dK += dS^T q: the tiles read down their columns */
                 mm(&dV[0][0], RG_HD_MAX, n, (int) a.hd, &S[0][0], 1, RG_BK, row(&a.dO, h, i0), a.dO.ld, m, true);
