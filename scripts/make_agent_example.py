@@ -154,6 +154,80 @@ EVAL = [
 ]
 
 
+# RL's own scenarios (rl_scenarios.jsonl, [agent].scenarios of config.toml): the skills the held-out set needs
+# (copy the fact that answers the question, search when the title is not in the question, answer with a title,
+# count by tag, carry a value from one note to another) asked in words the SFT demonstrations never used. GRPO on
+# the demonstrations' own 40 tasks learns nothing: the bootstrap has memorised them, so most groups all pass.
+# Only the notes the held-out set does not ask about (flight, vet, anna, garden, laptop are left out) and new
+# titles for notes it adds.
+OWN = [t for t, _, _ in NOTES if t not in ("flight", "vet", "anna", "garden", "laptop")]
+
+
+def search(term: str, title: str) -> dict:
+    return {"task": f"Which note mentions {term}? Answer with its title only.", "verify": {"answer_equals": title},
+            "answer": title, "kind": "search"}
+
+
+def count(tag: str, n: int, task: str = "How many notes are tagged '{}'?") -> dict:
+    words = {1: "one", 2: "two", 3: "three", 4: "four"}
+    return {"task": task.format(tag), "verify": {"answer_matches": rf"(?i)\b({n}|{words[n]})\b"}, "answer": str(n),
+            "kind": "count"}
+
+
+RL = [
+    *[read(t, f) for t, f in [("groceries", "apples"), ("book club", "Hobbit")]],
+    *[{**read(t, f), "task": p.format(t)} for p, (t, f) in zip(
+        ["Show me the note '{}'.", "What is written in the note '{}'?", "Open my '{}' note and tell me what it says.",
+         "Read me the note called '{}'.", "What is in the note '{}'?", "Tell me what my note '{}' says.",
+         "What does my '{}' note say?", "Show me what the '{}' note says."],
+        [("dentist", "3pm"), ("wifi", "sunflower42"), ("gym", "7am"), ("car", "Fast Lube"), ("plumber", "Mario"),
+         ("meeting", "room 4"), ("deadline", "September"), ("pancakes", "milk")])],
+    ask("Who is my dentist?", "dentist", {"answer_contains": "Lee"}),
+    ask("What time is my dentist appointment?", "dentist", {"answer_contains": "3pm"}),
+    ask("What is the guest wifi password?", "wifi", {"answer_contains": "sunflower42"}),
+    ask("What do I need to buy at the shop?", "groceries", {"answer_contains": "apples"}),
+    ask("At what time do I work out?", "gym", {"answer_contains": "7am"}),
+    ask("On which days do I go to the gym?", "gym", {"answer_contains": "Thursday"}),
+    ask("When is the oil change of my car due?", "car", {"answer_contains": "June"}),
+    ask("Where do I get the oil change done?", "car", {"answer_contains": "Fast Lube"}),
+    ask("What is the name of the plumber?", "plumber", {"answer_contains": "Mario"}),
+    ask("Who do I call about the kitchen sink?", "plumber", {"answer_contains": "Mario"}),
+    ask("When does the book club meet?", "book club", {"answer_contains": "first Friday"}),
+    ask("What is the expiry date of my passport?", "passport", {"answer_contains": "2027-03-01"}),
+    ask("In which room is the project sync?", "meeting", {"answer_contains": "room 4"}),
+    ask("At what time is the project sync?", "meeting", {"answer_contains": "10am"}),
+    ask("When is the quarterly report due?", "deadline", {"answer_contains": "30 September"}),
+    ask("How much flour goes in the pancakes?", "pancakes", {"answer_contains": "1 cup"}),
+    ask("What is the password of the guest network?", "wifi", {"answer_contains": "sunflower42"}),
+    ask("Who is the doctor for my appointment?", "dentist", {"answer_contains": "Lee"}),
+    search("the Hobbit", "book club"), search("Fast Lube", "car"), search("Mario", "plumber"),
+    search("room 4", "meeting"), search("the quarterly report", "deadline"), search("flour", "pancakes"),
+    search("sunflower42", "wifi"), search("Dr. Lee", "dentist"), search("apples", "groceries"),
+    search("the passport", "passport"),
+    count("home", 4), count("social", 1), count("cooking", 1), count("shopping", 1),
+    count("family", 1), count("car", 1, "How many of my notes have the tag '{}'?"),
+    copy("Read the note 'dentist' and add a note titled 'doctor' whose body is the doctor's name.", "dentist",
+         "doctor", "Lee"),
+    copy("Read the note 'passport' and add a note titled 'expiry' whose body is the expiry date.", "passport",
+         "expiry", "2027-03-01"),
+    copy("Read the note 'book club' and add a note titled 'reading' whose body is the book's title.", "book club",
+         "reading", "Hobbit"),
+    copy("Read the note 'car' and add a note titled 'garage' whose body is the garage's name.", "car", "garage",
+         "Fast Lube"),
+    copy("Read the note 'gym' and add a note titled 'workout' whose body is the time of the workout.", "gym",
+         "workout", "7am"),
+    copy("Read the note 'deadline' and add a note titled 'report' whose body is the due date.", "deadline",
+         "report", "30 September"),
+    copy("Read the note 'meeting' and add a note titled 'sync' whose body is the room of the meeting.", "meeting",
+         "sync", "room 4"),
+    add("shoes", "Take the boots to the cobbler"), add("library", "Return the books by Monday"),
+    add("cinema", "See the new film on Sunday"), add("water", "Drink two litres a day"),
+    add_tagged("swim", "Swimming on Wednesday at 6pm", ["health"]),
+    add_tagged("hotel", "Book a room in Lisbon", ["travel"]),
+    update("wifi", "The guest network password is moonlight7."), update("deadline", "The report is due on 15 October."),
+    delete("pancakes"), delete("passport"),
+]
+
 def write_db(path: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         db = Path(tmp) / "seed.db"
@@ -256,7 +330,9 @@ def main(argv: list[str]) -> None:
     write_db(OUT / "seed.db")
     write_jsonl(OUT / "scenarios.jsonl", TRAIN, "train")
     write_jsonl(OUT / "eval_scenarios.jsonl", EVAL, "eval")
-    print(f"wrote {OUT / 'seed.db'} ({len(NOTES)} notes), {len(TRAIN)} training and {len(EVAL)} eval scenarios")
+    write_jsonl(OUT / "rl_scenarios.jsonl", RL, "rl")
+    print(f"wrote {OUT / 'seed.db'} ({len(NOTES)} notes), {len(TRAIN)} training, {len(RL)} RL and {len(EVAL)} eval "
+          "scenarios")
     if "--demos" in argv:
         recs = demos(TRAIN)
         atomic_write(OUT / "demos.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))

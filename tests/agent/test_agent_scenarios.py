@@ -205,7 +205,8 @@ def _solve(sc: scenarios.Scenario, state: Path) -> str:
     return sc.answer or "Done."
 
 
-@pytest.mark.parametrize("name, count", [("scenarios.jsonl", 40), ("eval_scenarios.jsonl", 12)])
+@pytest.mark.parametrize("name, count", [("scenarios.jsonl", 40), ("eval_scenarios.jsonl", 12),
+                                         ("rl_scenarios.jsonl", 61)])
 def test_example_scenarios_are_solvable_and_not_presolved(tmp_path, name, count):
     scs = scenarios.load(EXAMPLE / name)
     assert len(scs) == count and all(sc.verify is not None for sc in scs)
@@ -219,7 +220,7 @@ def test_example_scenarios_are_solvable_and_not_presolved(tmp_path, name, count)
 
 
 def test_example_data_is_what_the_script_writes(tmp_path):
-    before = {n: (EXAMPLE / n).read_bytes() for n in ("scenarios.jsonl", "eval_scenarios.jsonl")}
+    before = {n: (EXAMPLE / n).read_bytes() for n in ("scenarios.jsonl", "eval_scenarios.jsonl", "rl_scenarios.jsonl")}
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         import make_agent_example as m
@@ -227,8 +228,10 @@ def test_example_data_is_what_the_script_writes(tmp_path):
         sys.path.remove(str(ROOT / "scripts"))
     m.write_jsonl(tmp_path / "a.jsonl", m.TRAIN, "train")
     m.write_jsonl(tmp_path / "b.jsonl", m.EVAL, "eval")
+    m.write_jsonl(tmp_path / "c.jsonl", m.RL, "rl")
     assert (tmp_path / "a.jsonl").read_bytes() == before["scenarios.jsonl"]
     assert (tmp_path / "b.jsonl").read_bytes() == before["eval_scenarios.jsonl"]
+    assert (tmp_path / "c.jsonl").read_bytes() == before["rl_scenarios.jsonl"]
     m.write_db(tmp_path / "seed.db")
     con = sqlite3.connect(tmp_path / "seed.db")
     shipped = sqlite3.connect(EXAMPLE / "seed.db")
@@ -242,6 +245,22 @@ def test_example_data_is_what_the_script_writes(tmp_path):
     assert out == m.SCHEMA
     assert json.loads((EXAMPLE / "scenarios.jsonl").read_text().splitlines()[0])["id"] == "train-00"
     assert verify.KINDS == ("sql", "answer_equals", "answer_contains", "answer_matches", "function")
+
+
+def test_rl_scenarios_stay_clear_of_the_demonstrations_and_the_held_out_set():
+    """agent_grpo's scenarios ask what the demonstrations never asked, and nothing about the notes or new titles
+    the held-out scenarios use: a gain on the held-out set is not a memorised answer."""
+    rl, train, held = (scenarios.load(EXAMPLE / n) for n in ("rl_scenarios.jsonl", "scenarios.jsonl",
+                                                              "eval_scenarios.jsonl"))
+    assert not {sc.task for sc in rl} & {sc.task for sc in [*train, *held]}
+    held_notes = {"flight", "vet", "anna", "garden", "laptop", "bread", "plants", "concert", "berlin"}
+    for sc in rl:
+        quoted = set(re.findall(r"'([^']*)'", sc.task))
+        assert not quoted & held_notes, (sc.id, quoted & held_notes)
+        assert (sc.answer or "") not in {h.answer for h in held if h.answer}, sc.id
+    kinds = [sc.extra["kind"] for sc in rl]
+    # the skills the bootstrap fails most on the held-out set get the most scenarios
+    assert min(kinds.count(k) for k in ("read", "lookup", "search", "count", "two_step")) >= 6
 
 
 def test_shipped_demonstrations_solve_their_scenarios():
