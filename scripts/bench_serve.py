@@ -1,8 +1,9 @@
 """`retrograd serve` under concurrent clients: continuous batching against one request at a time.
 
 Two servers on the same model run side by side, taking turns round by round (only one is ever
-loaded with work): `[serving].parallel = 1` (one request at a time, today's behaviour before
-batching) and the batched default (`parallel = 8`, `queue = 32`). Each round measures, per side:
+loaded with work): `[serving].parallel = 1` with the model file's own weights (one request at a
+time, the behaviour before batching) and the batched default (`parallel = 8`, `queue = 32`,
+`generator_weights = auto`: a Q4_1 model split for llama.cpp's Q4_0 kernels). Each round measures, per side:
 
 - the latency of one request alone (64 new tokens), before and after the round's burst;
 - a burst of --clients concurrent clients x --tokens new tokens: completion tokens per second;
@@ -99,10 +100,12 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--eval-prompts", type=int, default=32)
+    ap.add_argument("--weights", default="auto", help="[serving].generator_weights of the batched side (default auto)")
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="bench_serve-"))
-    sides = {"one-at-a-time": "parallel = 1\nqueue = 64\nwait_seconds = 600",
-             "batched": "parallel = 8\nqueue = 32\nwait_seconds = 600"}
+    # the baseline is the server before batching: one request at a time, the model file's own weights
+    sides = {"one-at-a-time": 'parallel = 1\nqueue = 64\nwait_seconds = 600\ngenerator_weights = "native"',
+             "batched": f"parallel = 8\nqueue = 32\nwait_seconds = 600\ngenerator_weights = \"{args.weights}\""}
     procs = {name: start(d, name.replace("-", "_"), args.model, args.threads, s) for name, s in sides.items()}
     rows: dict[str, dict[str, list]] = {n: {} for n in sides}
     try:

@@ -24,7 +24,8 @@ def run(args: argparse.Namespace) -> int:
     model_path = resolve_model(cfg)
     parallel = cfg.serving.parallel or auto_parallel(cfg.model.ctx)
     gen = serving_generator(model_path, n_ctx=cfg.model.ctx, parallel=parallel, threads=resolve_threads(cfg),
-                            device=cfg.model.device)
+                            device=cfg.model.device, weights=cfg.serving.generator_weights,
+                            dora=cfg.lora.variant == "dora")
     chat = format_for(gen.tokenizer, cfg.model.chat_template)
     if adapter is None:
         served = [ServedModel(args.model_name or BASE_ID, None)]

@@ -19,14 +19,17 @@ decoded alone. One thread must own a Batch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import llama_cpp.llama_cpp as lc
 import numpy as np
 
 from retrograd.generation.llama import Generator
 from retrograd.generation.sampling import Completion, SamplingParams, sample
+from retrograd.generation.weights import generator_model
 
 
 def auto_parallel(n_ctx: int) -> int:
@@ -35,11 +38,17 @@ def auto_parallel(n_ctx: int) -> int:
     return max(1, min(8, 32768 // max(1, n_ctx)))
 
 
-def serving_generator(model_path, *, n_ctx: int, parallel: int, threads: int | None, device: str) -> Generator:
+def serving_generator(model_path, *, n_ctx: int, parallel: int, threads: int | None, device: str,
+                      weights: str = "native", dora: bool = False) -> Generator:
     """A Generator for a Batch of `parallel` sequences: 2 x parallel sequence ids (the live ones and
     those whose cells are kept), a KV cache of parallel x n_ctx cells (every live sequence may reach
-    n_ctx; kept cells give way first)."""
-    return Generator(model_path, n_ctx=n_ctx, n_seq=2 * parallel, threads=threads, device=device,
+    n_ctx; kept cells give way first). `weights`: [serving].generator_weights (weights.py), `dora`:
+    whether a DoRA adapter will be applied (the generator then loads merged models, never a copy)."""
+    from retrograd import native
+
+    on_cpu = native.select_device(device).kind == "cpu"
+    path = generator_model(Path(model_path), weights, threads or os.cpu_count() or 1, on_cpu=on_cpu, dora=dora)
+    return Generator(path, n_ctx=n_ctx, n_seq=2 * parallel, threads=threads, device=device,
                      kv_cells=parallel * n_ctx)
 
 

@@ -67,13 +67,14 @@ class ModelPool:
         model = resolve_model(cfg)
         s = cfg.serving
         key = (str(model), cfg.model.ctx, cfg.model.device, cfg.model.chat_template, s.parallel, s.queue,
-               s.wait_seconds)
+               s.wait_seconds, s.generator_weights, cfg.lora.variant)
         with self._lock:
             host = self.loaded.get(key)
             if host is None or host.sched.closing:      # closing here: its thread failed
                 parallel = s.parallel or auto_parallel(cfg.model.ctx)
                 gen = serving_generator(model, n_ctx=cfg.model.ctx, parallel=parallel, threads=resolve_threads(cfg),
-                                        device=cfg.model.device)
+                                        device=cfg.model.device, weights=s.generator_weights,
+                                        dora=cfg.lora.variant == "dora")
                 sched = Scheduler(gen, parallel=parallel, queue=s.queue, wait_seconds=s.wait_seconds,
                                   adapter_of=_adapter_bytes, name=f"pool-{model.name}")
                 host = Loaded(sched, format_for(gen.tokenizer, cfg.model.chat_template), s.idle_seconds)
