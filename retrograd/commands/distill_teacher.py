@@ -7,20 +7,37 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from retrograd.commands import load_config, positive
-from retrograd.data import chat as chat_mod
-from retrograd.data import tokenizer as tok_mod
-from retrograd.data.batching import pack, to_batch
-from retrograd.data.formats import load_examples
-from retrograd.data.topk_file import TopkWriter
+from retrograd.commands import Subparsers, common_flags, load_config, positive
 from retrograd.errors import UsageError
 from retrograd.models import default_model_path
 from retrograd.report import Progress
 from retrograd.run_setup import config_label, resolve_threads
-from retrograd.teacher import Teacher
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser("distill-teacher", help="write the teacher's top-k predictions for offline distillation",
+                       description="Run the teacher over the data once and write its top-k next-token ids and "
+                                   "log-probs for every trained position to FILE.topk (written as FILE.topk.tmp and "
+                                   "renamed when complete). Set [distill].teacher_file to it and training never loads "
+                                   "the teacher. --model names the teacher here (default [distill].teacher, else the "
+                                   "embedded default model).")
+    common_flags(p)
+    p.add_argument("--data", metavar="FILE", help="data to score (default [data].train)")
+    p.add_argument("--out", metavar="FILE.topk",
+                   help="output (default [distill].teacher_file, else the data file's name with .topk)")
+    p.add_argument("--k", type=int, metavar="N", help="tokens per position (default [distill].k)")
+    p.add_argument("--ctx", type=int, metavar="N", help="longest sequence (overrides [model].ctx)")
+    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from retrograd.data import chat as chat_mod
+    from retrograd.data import tokenizer as tok_mod
+    from retrograd.data.batching import pack, to_batch
+    from retrograd.data.formats import load_examples
+    from retrograd.data.topk_file import TopkWriter
+    from retrograd.teacher import Teacher
+
     teacher_override = Path(args.model).resolve() if args.model else None
     args.model = None                 # --model names the teacher here, not [model].path
     cfg = load_config(args, skip=("distill.teacher_file", "distill.eval_teacher_file"))
