@@ -56,13 +56,11 @@ def find_adapter(args: argparse.Namespace, cfg: Config) -> Path:
     if args.checkpoint:
         d = checkpoint_dir(cfg)
         name = args.checkpoint
-        if name == "latest":
-            state = ckpt.latest(d) if d.is_dir() else None
-        elif name == "best" or (name.startswith("step-") and name[5:].isdigit()):
-            state = d / f"{name}.state"
-        else:
+        ref = ckpt.parse_ref(name)
+        if ref is None:
             raise UsageError(f"--checkpoint {name!r}: expected best, latest or step-N")
-        if state is None or not state.is_dir():
+        state = ckpt.find(d, ref)
+        if state is None:
             have = sorted(p.name.removesuffix(".state") for p in d.glob("*.state")) if d.is_dir() else []
             raise RetrogradError(f"--checkpoint {name}: no such checkpoint in {d} "
                                  f"({'there: ' + ', '.join(have) if have else 'it holds none'})")
