@@ -5,12 +5,17 @@ derived from the run seed and these counters, so no RNG state is stored) and the
 configuration. Each is written under a temporary name and renamed, so a kill at any moment leaves
 the previous checkpoint intact; `latest` names the newest, `best.state` the best by the configured
 metric, and the adapter is also exported beside each directory (`step-N.gguf`).
+
+The names are read here and nowhere else: `step_of` parses a step-N.state directory, `step_states`
+lists them in step order, `parse_ref` reads a checkpoint as a user names it (best, latest, step-N;
+retrograd-server's RUN@... models add final and base) and `find` resolves one to its directory.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -22,6 +27,42 @@ from retrograd.errors import RetrogradError
 from retrograd.fsutil import atomic_copy, atomic_open, atomic_write, fsync_tree, replace_dir
 
 STATE_VERSION = 1
+_STEP = re.compile(r"step-([0-9]+)")      # ASCII digits only: int() must read what matched
+
+
+def step_ref(step: int) -> str:
+    """How checkpoint `step` is named: step-N (its directory is step-N.state, its adapter step-N.gguf)."""
+    return f"step-{step}"
+
+
+def step_of(path: Path | str) -> int | None:
+    """N for a step-N.state directory (a path or a name), None for anything else."""
+    name = Path(path).name
+    m = _STEP.fullmatch(name.removesuffix(".state")) if name.endswith(".state") else None
+    return int(m.group(1)) if m else None
+
+
+def step_states(directory: Path) -> list[Path]:
+    """The step-N.state directories in `directory`, the earliest step first (none when it does not exist)."""
+    found = [(step_of(p), p) for p in Path(directory).glob("step-*.state")]
+    return [p for s, p in sorted((s, p) for s, p in found if s is not None)]
+
+
+def parse_ref(ref: str, also: tuple[str, ...] = ()) -> str | None:
+    """A checkpoint as a user names it: best, latest or step-N (step-007 reads as step-7), or one of
+    the names in `also` the caller knows (retrograd-server: final, base); None for anything else."""
+    if ref in ("best", "latest") or ref in also:
+        return ref
+    m = _STEP.fullmatch(ref)
+    return step_ref(int(m.group(1))) if m else None
+
+
+def find(directory: Path, ref: str) -> Path | None:
+    """The .state directory that best, latest or step-N (as parse_ref returns it) names in `directory`,
+    or None when there is none."""
+    directory = Path(directory)
+    state = latest(directory) if ref == "latest" else directory / f"{ref}.state"
+    return state if state is not None and state.is_dir() else None
 
 
 class CheckpointError(RetrogradError, ValueError):
@@ -47,8 +88,8 @@ def lora_identity(trainable) -> dict:
 def save(directory: Path, step: int, trainable, trainer_state: dict, config: dict) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"step-{step}.state"
-    tmp = directory / f".step-{step}.state.tmp"
+    final = directory / f"{step_ref(step)}.state"
+    tmp = directory / f".{step_ref(step)}.state.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -63,7 +104,7 @@ def save(directory: Path, step: int, trainable, trainer_state: dict, config: dic
     _write_json(tmp / "config.json", config)
     fsync_tree(tmp)
     replace_dir(tmp, final)
-    adapter_io.write(directory / f"step-{step}.gguf", data)
+    adapter_io.write(directory / f"{step_ref(step)}.gguf", data)
     atomic_write(directory / "latest", final.name + "\n")
     return final
 
@@ -82,7 +123,7 @@ def mark_best(directory: Path, state_dir: Path) -> Path:
 
 
 def prune(directory: Path, keep: int) -> None:
-    states = sorted(Path(directory).glob("step-*.state"), key=lambda p: int(p.name[5:-6]))
+    states = step_states(directory)
     for p in states[:-keep] if keep > 0 else []:
         shutil.rmtree(p, ignore_errors=True)
         gguf = p.with_suffix(".gguf")
@@ -97,7 +138,7 @@ def latest(directory: Path) -> Path | None:
         p = directory / pointer.read_text().strip()
         if p.is_dir():
             return p
-    states = sorted(directory.glob("step-*.state"), key=lambda p: int(p.name[5:-6]))
+    states = step_states(directory)
     return states[-1] if states else None
 
 

@@ -21,7 +21,7 @@ def parsers() -> dict[str, tuple[argparse.ArgumentParser, str]]:
     """Every page's name, the parser it documents and its one-line summary."""
     from retrograd.cli import build_parser
     from retrograd.commands.profile import parser as profile_parser
-    from retrograd.serve.multi import parser as server_parser
+    from retrograd.commands.server import parser as server_parser
 
     top = build_parser()
     pages = {"retrograd": (top, "fine-tune quantized GGUF language models on the hardware you have")}

@@ -43,7 +43,7 @@ def test_help_lists_every_command_of_the_specification():
 
     helps = out.stdout + "".join(subprocess.run([sys.executable, "-m", m, "--help"], capture_output=True, text=True,
                                                 timeout=60).stdout
-                                 for m in ("retrograd.serve.multi", "retrograd.commands.profile"))
+                                 for m in ("retrograd.commands.server", "retrograd.commands.profile"))
     assert not [f for f in SPEC_FLAGS if not re.search(re.escape(f) + r"(?![\w-])", helps)]
     assert not [e for e in SPEC_ENV if e not in out.stdout]
 

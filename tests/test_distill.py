@@ -248,6 +248,33 @@ def test_offline_file_for_other_data_is_refused(tiny, tmp_path):
     assert out.returncode == 1 and "does not match" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_distill_teacher_model_is_the_student_and_teacher_names_the_teacher(tiny, tmp_path):
+    """--model is the common flag: it replaces the student's [model].path. The teacher is --teacher,
+    else [distill].teacher; a teacher that is the student's own file is refused before anything loads."""
+    student, teacher, other = tiny("llama", seed=0), tiny("llama", seed=7), tiny("llama", seed=3)
+    cfg = make_distill_run(tmp_path, student, teacher, 'teacher_file = "t.topk"')
+    topk = tmp_path / "t.topk"
+
+    def distill_teacher(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "retrograd.cli", "distill-teacher", str(cfg), *extra],
+                              capture_output=True, text=True, env={**os.environ, "RETRO_THREADS": str(THREADS)})
+
+    out = distill_teacher("--model", str(teacher))        # the student is now the configured teacher
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"the teacher {teacher} ([distill].teacher) is the student's model (--model)" in out.stderr
+    assert not topk.exists()
+    link = tmp_path / "same.gguf"                         # one file under another name is the same file
+    link.symlink_to(student)
+    out = distill_teacher("--teacher", str(link))
+    assert out.returncode == 2 and "(--teacher) is the student's model ([model].path)" in out.stderr, out.stderr
+    out = distill_teacher("--teacher", str(other), "--model", str(teacher))
+    assert out.returncode == 0, out.stderr
+    assert TopkFile(topk).header["teacher"] == other.name
+    out = distill_teacher()                               # the configuration's own teacher
+    assert out.returncode == 0, out.stderr
+    assert TopkFile(topk).header["teacher"] == teacher.name
+
+
 def test_teacher_topk_equals_student_topk_for_the_same_model(tiny):
     path = tiny("gemma3")
     tr = Trainable(path, LoraSpec(4, 8.0), threads=THREADS)

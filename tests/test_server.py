@@ -42,7 +42,7 @@ class Server:
         self.state.mkdir(parents=True, exist_ok=True)
         # stderr to a file: a pipe nobody reads would block the server once it filled up
         self.stderr = open(self.state / "server.stderr", "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "retrograd.serve.multi", "--port", str(port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "retrograd.commands.server", "--port", str(port),
                                       "--state-dir", str(self.state), *self.extra],
                                      stdout=subprocess.DEVNULL, stderr=self.stderr, text=True, env=env)
         self.url = f"http://127.0.0.1:{port}"
@@ -309,7 +309,7 @@ def test_bad_submissions_name_the_problem(server, smollm, tmp_path):
 
 
 def test_api_key_rules(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "retrograd.serve.multi", "--host", "0.0.0.0", "--state-dir",
+    out = subprocess.run([sys.executable, "-m", "retrograd.commands.server", "--host", "0.0.0.0", "--state-dir",
                           str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "requires --api-key" in out.stderr
     srv = Server(tmp_path / "keyed", "--api-key", "sekret")

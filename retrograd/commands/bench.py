@@ -10,23 +10,10 @@ import json
 import sys
 from pathlib import Path
 
-from retrograd import adapter as adapter_io
-from retrograd import rewards as rw
-from retrograd.commands import load_config, positive
+from retrograd.commands import Subparsers, common_flags, load_config, positive
 from retrograd.config import Config, tomllib
-from retrograd.context import open_model
-from retrograd.data import chat as chat_mod
-from retrograd.data import tokenizer as tok_mod
-from retrograd.data.batching import split_holdout
-from retrograd.data.formats import DataError, load_examples
-from retrograd.data.prompts import load_prompts
 from retrograd.errors import UsageError
-from retrograd.eval.distill import evaluate_distill
-from retrograd.eval.nll import evaluate_nll
-from retrograd.eval.rewards import sample_rewards
-from retrograd.generation.llama import Generator
 from retrograd.run_setup import config_dir, config_label, resolve_model, resolve_threads
-from retrograd.teacher import OnlineTeacher, load_teacher
 
 UNSUPPORTED = {
     "agent_grpo": "bench does not support agent_grpo; use `retrograd collect --report` to measure pass rates.",
@@ -39,7 +26,27 @@ class Unsupported(UsageError):
     pass
 
 
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser("bench", help="evaluate the base model (and an adapter) without training",
+                       description="Evaluate without training. sft: loss and perplexity on the trained tokens; "
+                                   "grpo/ppo: the reward distribution of sampled answers; distill: KL to the teacher, "
+                                   "top-1 agreement and perplexity (loads the teacher); preference and agent_grpo: not "
+                                   "supported. Without --adapter it measures the base model; with it, base and adapter "
+                                   "on the same examples.")
+    common_flags(p)
+    p.add_argument("--data", metavar="FILE", help="evaluation data (default: [evaluation].data or the held-out split)")
+    p.add_argument("--adapter", metavar="ADAPTER.gguf", help="also measure this adapter")
+    p.add_argument("--limit", type=int, metavar="N", help="at most N examples")
+    p.add_argument("--format", choices=("auto", "text", "jsonl"), default="auto",
+                   help="report as a table (text), as JSON (jsonl) or by terminal (auto)")
+    p.add_argument("--ctx", type=int, metavar="N", help="longest sequence (overrides [model].ctx)")
+    p.set_defaults(run=run)
+
+
 def eval_examples(ctx, args):
+    from retrograd.data.batching import split_holdout
+    from retrograd.data.formats import load_examples
+
     cfg = ctx.cfg
     max_len = min(cfg.data.max_length, cfg.model.ctx)
     if args.data:
@@ -68,6 +75,13 @@ def _algorithm_of(path: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from retrograd import adapter as adapter_io
+    from retrograd.context import open_model
+    from retrograd.data.formats import DataError
+    from retrograd.eval.distill import evaluate_distill
+    from retrograd.eval.nll import evaluate_nll
+    from retrograd.teacher import OnlineTeacher, load_teacher
+
     algorithm = _algorithm_of(args.config)
     if algorithm in UNSUPPORTED:       # before validation: agent_grpo configurations may not load
         raise Unsupported(UNSUPPORTED[algorithm])
@@ -123,6 +137,13 @@ def run(args: argparse.Namespace) -> int:
 
 def run_rewards(args: argparse.Namespace, cfg: Config) -> int:
     """grpo / ppo: the reward distribution of sampled answers, base and adapter on the same draws."""
+    from retrograd import rewards as rw
+    from retrograd.data import chat as chat_mod
+    from retrograd.data import tokenizer as tok_mod
+    from retrograd.data.prompts import load_prompts
+    from retrograd.eval.rewards import sample_rewards
+    from retrograd.generation.llama import Generator
+
     section = cfg.run.algorithm
     g = getattr(cfg, section)
     n = g.group_size if section == "grpo" else g.bench_samples

@@ -6,14 +6,37 @@ from __future__ import annotations
 import argparse
 import sys
 
-from retrograd.commands import choose_adapter, load_config, positive
-from retrograd.data.chat import format_for
-from retrograd.generation.conversation import encode_prompt
-from retrograd.generation.llama import Generator, SamplingParams
+from retrograd.commands import Subparsers, choose_adapter, common_flags, load_config, positive
 from retrograd.run_setup import resolve_model, resolve_threads
 
 
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser("chat", help="talk to the model through its chat template",
+                       description="Interactive chat with the model's chat template. The adapter is chosen like "
+                                   "serve's: --adapter, else the adapter the configuration trains (an error if it does "
+                                   "not exist yet), unless --base-only. --compare shows the base model's and the "
+                                   "adapter's answer to each turn. Type /reset to clear the history and /exit to quit. "
+                                   "Reads turns from stdin when it is not a terminal.")
+    common_flags(p)
+    p.add_argument("--adapter", metavar="ADAPTER.gguf",
+                   help="adapter to use, or a checkpoint's .state directory (default: the run's adapter.gguf)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--compare", action="store_true", help="show base and adapter answers side by side")
+    g.add_argument("--base-only", action="store_true", help="no adapter")
+    p.add_argument("--system", metavar="PROMPT", help="system prompt")
+    p.add_argument("--temp", type=float, default=0.7, metavar="T", help="temperature (default 0.7; 0 is greedy)")
+    p.add_argument("--top-p", type=float, default=0.95, metavar="P", help="top-p (default 0.95)")
+    p.add_argument("--max-new-tokens", type=int, default=512, metavar="N", help="default 512")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed")
+    p.add_argument("--ctx", type=int, metavar="N", help="context length (overrides [model].ctx)")
+    p.set_defaults(run=run)
+
+
 def run(args: argparse.Namespace) -> int:
+    from retrograd.data.chat import format_for
+    from retrograd.generation.conversation import encode_prompt
+    from retrograd.generation.llama import Generator, SamplingParams
+
     cfg = load_config(args)
     positive(args, "max_new_tokens")
     ad = choose_adapter(args, cfg)

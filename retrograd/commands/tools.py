@@ -14,9 +14,20 @@ import json
 import sys
 from typing import Any
 
-from retrograd.commands import load_config
+from retrograd.commands import Subparsers, load_config, one_action
 from retrograd.config import Config
 from retrograd.errors import RetrogradError
+
+
+def add_parser(sub: Subparsers) -> None:
+    t = one_action(sub, "tools", "list", "list the tool servers of an agentic configuration and their tools",
+                   "List the tool servers of [agent] ([[agent.servers]]: MCP servers over stdio or streamable "
+                   "HTTP, or Python functions) and, unless --no-connect, start each one and list its tools with "
+                   "their JSON schemas.",
+                   "the configured servers and their tools", "run configuration (TOML) with an [agent] section")
+    t.add_argument("--json", action="store_true", help="print one JSON object")
+    t.add_argument("--no-connect", action="store_true", help="only the configuration: start no server")
+    t.set_defaults(run=run)
 
 
 def _listing(cfg: Config, connect: bool) -> tuple[dict, int]:

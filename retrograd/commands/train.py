@@ -5,14 +5,25 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from retrograd.commands import load_config
-from retrograd.context import open_model
+from retrograd.commands import Subparsers, common_flags, load_config
 from retrograd.run_setup import config_label
-from retrograd.trackers import check_installed
-from retrograd.trainer import train
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser("train", help="run [run].algorithm on the configuration",
+                       description="Train the configured algorithm. --resume continues from the given checkpoint, "
+                                   "or from the latest one in [checkpoint].directory.")
+    common_flags(p)
+    p.add_argument("--resume", nargs="?", const=True, metavar="CHECKPOINT.state",
+                   help="continue from this checkpoint, or from the latest one when no path is given")
+    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from retrograd.context import open_model
+    from retrograd.trackers import check_installed
+    from retrograd.trainer import train
+
     cfg = load_config(args)
     check_installed(cfg.run.report_to, config_label(cfg))      # before the model loads
     resume = args.resume

@@ -118,13 +118,7 @@ class RunStore:
     # ---- adapters on disk ------------------------------------------------------------------
     def steps(self, run_id: str) -> list[int]:
         """Steps with a saved adapter (checkpoints kept by [checkpoint].keep)."""
-        found = []
-        for p in self.checkpoints(run_id).glob("step-*.state"):
-            try:
-                found.append(int(p.name[5:-6]))
-            except ValueError:
-                continue
-        return sorted(s for s in found if (self.checkpoints(run_id) / f"step-{s}.state" / "adapter.gguf").exists())
+        return [ckpt.step_of(p) for p in ckpt.step_states(self.checkpoints(run_id)) if (p / "adapter.gguf").exists()]
 
     def adapter(self, run_id: str, which: str) -> Path | None:
         """final, best, latest or step-N: the adapter file, or None when the run has none (yet)."""
@@ -133,11 +127,9 @@ class RunStore:
             p = self.out(run_id) / "adapter.gguf"
         elif which == "best":
             p = cdir / "best.gguf"
-        elif which == "latest":
-            state = ckpt.latest(cdir) if cdir.exists() else None
+        else:                                   # latest or step-N
+            state = ckpt.find(cdir, which)
             p = state / "adapter.gguf" if state else None
-        else:
-            p = cdir / f"{which}.state" / "adapter.gguf"
         return p if p is not None and p.is_file() else None
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from retrograd import checkpoint as ckpt
 from retrograd.config import Config
 from retrograd.errors import RetrogradError
 from retrograd.serve.app import error_middleware, read_json, respond
@@ -25,7 +26,7 @@ from retrograd.serve.pool import ModelPool
 from retrograd.serve.runs import ACTIVE
 from retrograd.serve.supervisor import Supervisor
 
-SAVED = ("final", "best", "latest", "base")
+RUN_WEIGHTS = ("final", "base")  # besides the checkpoints: the run's adapter.gguf and the base model alone
 MAX_SUBMIT_BYTES = 1 << 20      # a configuration
 HARD_LIMIT = 64 << 20           # any body; a chat request is then held to its run's [serving].max_body_bytes
 
@@ -35,10 +36,9 @@ def split_ref(model: str) -> tuple[str, str | None]:
     run_id, _, which = model.partition("@")
     if not which:
         return run_id, None
-    if which in SAVED:
-        return run_id, which
-    if which.startswith("step-") and which[5:].isdigit():
-        return run_id, f"step-{int(which[5:])}"
+    ref = ckpt.parse_ref(which, also=RUN_WEIGHTS)
+    if ref is not None:
+        return run_id, ref
     raise ApiError(404, f"model: {model!r}: unknown weights @{which} (expected @final, @best, @latest, @base or "
                         "@step-N)", param="model", code="model_not_found")
 
@@ -61,7 +61,7 @@ class RunServer:
             if (rec.state in ACTIVE and rec.serving.get("enabled")) or store.adapter(rec.id, "final"):
                 ids.append(rec.id)
             ids += [f"{rec.id}@{w}" for w in ("final", "best", "latest") if store.adapter(rec.id, w)]
-            ids += [f"{rec.id}@step-{s}" for s in store.steps(rec.id)]
+            ids += [f"{rec.id}@{ckpt.step_ref(s)}" for s in store.steps(rec.id)]
             ids.append(f"{rec.id}@base")
         return ids
 
@@ -97,7 +97,7 @@ class RunServer:
             adapter = self.sup.store.adapter(run_id, which)
             if adapter is None:
                 steps = self.sup.store.steps(run_id)
-                have = ", ".join(f"@step-{s}" for s in steps) or "no checkpoints yet"
+                have = ", ".join(f"@{ckpt.step_ref(s)}" for s in steps) or "no checkpoints yet"
                 raise ApiError(404, f"model: run {run_id} ({rec.state}, step {rec.step}) has no {which} adapter"
                                     f" (saved: {have})", param="model", code="model_not_found")
         await self.wait_for_device(rec)

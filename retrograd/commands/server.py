@@ -6,6 +6,10 @@ Runs are submitted over HTTP (POST /api/runs with {"config": PATH} or {"toml": T
 a time in processes of their own, persist under the state directory and are served through the
 OpenAI routes as RUN_ID (live), RUN_ID@final, @best, @latest, @step-N and @base. GET / is a web
 page with the runs, their curves and a chat box; GET /openapi.json documents the API.
+
+Its own program, not a `retrograd` command, so it has `parser()` and `main` (pyproject's
+[project.scripts]) rather than `add_parser`; it lives with the commands because it is one: the
+server itself is retrograd.serve.server.
 """
 
 from __future__ import annotations
