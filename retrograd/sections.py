@@ -257,10 +257,11 @@ class ServingSection:
                            "parallel x ctx cells; 0: 8, fewer when ctx > 4096; 1: one request at a time)", min=0,
                         max=256)
     wait_seconds: int = opt(120, "a request waiting longer than this for a decoding slot gets HTTP 503", min=1)
-    generator_weights: str = opt("auto", "weights the server decodes with, as [grpo].generator_weights: 'auto' "
-                                 "splits a Q4_1 model of at most 1 GiB on the CPU for llama.cpp's Q4_0 kernels, "
-                                 "which batch concurrent requests far better than its Q4_1 one; 'native': the "
-                                 "model file's own", choices=("auto", "native", "split", "f16", "bf16", "q8_0"))
+    generator_weights: str = opt("native", "weights the server decodes with, as [grpo].generator_weights: "
+                                 "'native' (the model file's own), 'split' (a Q4_1 model through llama.cpp's "
+                                 "Q4_0 kernels, cached), 'auto' (split for a Q4_1 model of at most 1 GiB on the "
+                                 "CPU), or a cached f16 / bf16 / q8_0 copy",
+                                 choices=("auto", "native", "split", "f16", "bf16", "q8_0"))
     max_body_bytes: int = opt(4 << 20, "largest request body accepted (HTTP 413 beyond)", min=1024)
 
 

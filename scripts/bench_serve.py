@@ -3,7 +3,7 @@
 Two servers on the same model run side by side, taking turns round by round (only one is ever
 loaded with work): `[serving].parallel = 1` with the model file's own weights (one request at a
 time, the behaviour before batching) and the batched default (`parallel = 8`, `queue = 32`,
-`generator_weights = auto`: a Q4_1 model split for llama.cpp's Q4_0 kernels). Each round measures, per side:
+`generator_weights` from --weights, default native). Each round measures, per side:
 
 - the latency of one request alone (64 new tokens), before and after the round's burst;
 - a burst of --clients concurrent clients x --tokens new tokens: completion tokens per second;
@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--eval-prompts", type=int, default=32)
-    ap.add_argument("--weights", default="auto", help="[serving].generator_weights of the batched side (default auto)")
+    ap.add_argument("--weights", default="native", help="[serving].generator_weights of the batched side")
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="bench_serve-"))
     # the baseline is the server before batching: one request at a time, the model file's own weights
