@@ -9,6 +9,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +27,9 @@ from retrograd.logs import log
 from retrograd.report import MetricsLog, Progress, plot_run
 from retrograd.run_setup import checkpoint_dir
 from retrograd.trackers import Trackers, check_installed
+
+if TYPE_CHECKING:
+    from retrograd.distributed import Cluster
 
 MAX_NONFINITE = 5
 
@@ -67,10 +71,16 @@ def _due(every: int, step: int, total: int) -> bool:
 
 
 class Trainer:
-    def __init__(self, ctx: RunContext) -> None:
+    def __init__(self, ctx: RunContext, cluster: Cluster | None = None) -> None:
+        """cluster: the run's Ray workers with [distributed] (distributed.workers_for), else None."""
         self.ctx = ctx
         self.cfg = ctx.cfg
-        self.recipe = recipe_for(self.cfg.run.algorithm)(ctx)
+        self.cluster = cluster
+        # [distributed].rollouts: the recipe's generators sample on the workers
+        sampling = cluster.generator if cluster is not None and self.cfg.distributed.rollouts else None
+        self.recipe = recipe_for(self.cfg.run.algorithm)(ctx, sampling)
+        # the workers compute the step's gradients unless the recipe keeps them in this process
+        self.grad_workers = cluster if cluster is not None and self.recipe.distributed_gradients else None
         self.ckpt_dir = checkpoint_dir(self.cfg)
         self.metrics = MetricsLog(ctx.out / "metrics.jsonl")
         self.best_key, self.higher_is_better = best_metric(self.cfg)
@@ -108,10 +118,9 @@ class Trainer:
         tally = Tally()
         hp = {"lr": lr, "step": self.global_step + 1, "beta1": t.beta1, "beta2": t.beta2, "eps": t.eps,
               "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "lr_b_ratio": t.lora_plus_ratio}
-        cluster = self.ctx.cluster if getattr(self.recipe, "distributed_gradients", True) else None
         try:
-            if cluster is not None:       # the workers compute, this process sums and steps
-                gnorm = cluster.train_step(work.micro, tally, hp)
+            if self.grad_workers is not None:       # the workers compute, this process sums and steps
+                gnorm = self.grad_workers.train_step(work.micro, tally, hp)
             else:
                 for mb in work.micro:
                     tr.accumulate(mb.batch, lambda inp, mb=mb: mb.loss(inp, tally),
@@ -122,8 +131,8 @@ class Trainer:
                 raise
             tr.lora.zero(native.SLOT_GRAD)
             return float("nan"), tally.result(), str(exc)
-        if self.ctx.cluster is not None:
-            work.info.update(self.ctx.cluster.step_timings())
+        if self.cluster is not None:
+            work.info.update(self.cluster.step_timings())
         if work.on_kept:
             work.on_kept(tally.kept)
         if work.after_update:
@@ -203,8 +212,8 @@ def train(ctx: RunContext, resume: Path | bool | None = None, on_step: StepCallb
             ctx.notes.append(f"{ctx.out} held an earlier run: its metrics, adapter and checkpoints are now in {moved} "
                              "(--resume continues a run instead)")
     atomic_write(ctx.out / "config.json", json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
-    with workers_for(ctx):                  # [distributed]: Ray workers for the run's lifetime
-        trainer = Trainer(ctx)
+    with workers_for(ctx) as cluster:       # [distributed]: Ray workers for the run's lifetime
+        trainer = Trainer(ctx, cluster)
         trainer.on_step = on_step
         try:
             return _train(ctx, trainer, resume)
@@ -232,8 +241,8 @@ def _train(ctx: RunContext, trainer: Trainer, resume: Path | bool | None) -> dic
         trainer.trackers = Trackers(cfg.run.report_to, ctx.out, cfg.run.name or ctx.out.name, cfg.to_dict(),
                                     resume=bool(resume), already=len(trainer.metrics.read()), warn=progress.note)
         trainer.metrics.on_append = trainer.trackers
-    if ctx.cluster is not None:
-        ctx.cluster.note = progress.note      # worker deaths and replacements, as they happen
+    if trainer.cluster is not None:
+        trainer.cluster.note = progress.note      # worker deaths and replacements, as they happen
     preflight_check(ctx, progress.note)
     if resume:
         progress.note(f"resumed at step {trainer.global_step} from {state_dir}")

@@ -17,6 +17,7 @@ from retrograd.agent import scenarios as sc_mod
 from retrograd.agent.judge import build_judge
 from retrograd.agent.rollout import AgentEnv, Trajectory, group_stats, rollout, score_group
 from retrograd.agent.tools import ToolBox
+from retrograd.algorithms.base import GeneratorFactory
 from retrograd.algorithms.grpo import GRPO, Rollout
 from retrograd.config import ConfigError
 from retrograd.context import RunContext
@@ -56,10 +57,10 @@ def make_env(run: RunContext, gen, toolbox: ToolBox) -> AgentEnv:
 class AgentGRPO(GRPO):
     resample_together = True
 
-    def __init__(self, run: RunContext) -> None:
+    def __init__(self, run: RunContext, generators: GeneratorFactory | None = None) -> None:
         self.toolbox = ToolBox.from_config(run.cfg)
         try:
-            super().__init__(run)
+            super().__init__(run, generators)
             self.env = make_env(run, self.gen, self.toolbox)
             unverified = [s for s in self.train_prompts + self.eval_prompts if s.verify is None]
             self.judge = build_judge(run.cfg, self.gen, run.chat, required=bool(unverified),

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from retrograd.algorithms.base import MicroBatch, StepWork, Tally
+from retrograd.algorithms.base import GeneratorFactory, MicroBatch, StepWork, Tally
 from retrograd.algorithms.rl import RolloutRecipe, reward_stats
 from retrograd.batch import LossInputs, LossOutputs
 from retrograd.context import RunContext
@@ -35,12 +35,12 @@ class Rollout:
 class GRPO(RolloutRecipe):
     resample_together = False     # resampled groups decoded one at a time
 
-    def __init__(self, run: RunContext) -> None:
+    def __init__(self, run: RunContext, generators: GeneratorFactory | None = None) -> None:
         g = run.cfg.grpo
         # without resampling, a step's groups are decoded together (one weight read per token for all);
         # agent_grpo also resamples its zero-signal groups together, so it always decodes them together
         together = g.prompts_per_step if g.resample_zero_groups == 0 or self.resample_together else 1
-        super().__init__(run, g, "grpo", n_seq=g.group_size * together, groups=together)
+        super().__init__(run, generators, g, "grpo", n_seq=g.group_size * together, groups=together)
         self.pg = PGConfig(g.loss, g.epsilon, g.epsilon_high or g.epsilon, g.beta, max_new_tokens=g.max_new_tokens)
         self.current: Rollout | None = None
         self.iteration = 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from retrograd.algorithms.base import MicroBatch, StepWork, Tally
+from retrograd.algorithms.base import GeneratorFactory, MicroBatch, StepWork, Tally
 from retrograd.algorithms.rl import RolloutRecipe, reward_stats
 from retrograd.batch import LossInputs, LossOutputs
 from retrograd.context import RunContext
@@ -87,9 +87,9 @@ class PPO(RolloutRecipe):
     # [distributed], PPO's rollouts are spread over the workers, its gradients are not)
     distributed_gradients = False
 
-    def __init__(self, run: RunContext) -> None:
+    def __init__(self, run: RunContext, generators: GeneratorFactory | None = None) -> None:
         # a rollout's prompts decode together, one sequence each (split between the workers with [distributed])
-        super().__init__(run, run.cfg.ppo, "ppo", n_seq=run.cfg.ppo.batch_prompts)
+        super().__init__(run, generators, run.cfg.ppo, "ppo", n_seq=run.cfg.ppo.batch_prompts)
         self.value = ValueHead.new(run.trainable.info.n_embd)
         self.current: PPORollout | None = None
         self.epoch = 0

@@ -38,15 +38,16 @@ def profile_steps(ctx: RunContext, steps: int) -> list[dict]:
     with [distributed]); per-step seconds and peak memory per phase, and per worker."""
     from retrograd.distributed import workers_for
 
-    with workers_for(ctx):
-        return _profile_steps(ctx, steps)
+    with workers_for(ctx) as cluster:
+        return _profile_steps(ctx, cluster, steps)
 
 
-def _profile_steps(ctx: RunContext, steps: int) -> list[dict]:
+def _profile_steps(ctx: RunContext, cluster, steps: int) -> list[dict]:
+    from retrograd.algorithms.rl import RolloutRecipe
     from retrograd.trainer import Trainer
 
     cfg, tr = ctx.cfg, ctx.trainable
-    trainer = Trainer(ctx)
+    trainer = Trainer(ctx, cluster)
     recipe = trainer.recipe
     rows = []
     for _ in range(steps + 1):
@@ -70,7 +71,7 @@ def _profile_steps(ctx: RunContext, steps: int) -> list[dict]:
         # [distributed]: each worker's gradient time, the slowest, the communication, the sampling
         row.update({k: v for k, v in work.info.items() if k.startswith("dist_")})
         s = time.perf_counter()
-        if hasattr(recipe, "sync_adapter"):
+        if isinstance(recipe, RolloutRecipe):
             recipe.sync_adapter()
             row["adapter swap"] = time.perf_counter() - s
         row["mem optimizer+swap"] = peak_rss_mib()
