@@ -8,6 +8,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from retrograd.batch import Tally
 from retrograd.config import Config, best_metric
 from retrograd.context import RunContext, preflight_check
 from retrograd.distributed import workers_for
+from retrograd.engine import Trainable
 from retrograd.errors import RetrogradError
 from retrograd.fsutil import atomic_write
 from retrograd.logs import log
@@ -46,8 +48,18 @@ class RunStopped(Exception):
         self.step = step
 
 
-#: called after every optimizer step with the trainer and the step's record; True asks to stop
-StepCallback = Callable[["Trainer", dict], bool]
+@dataclass(frozen=True)
+class StepRecord:
+    """What a step callback sees of the optimizer step just taken."""
+
+    step: int                  # optimizer steps taken so far in the run
+    total: int                 # the run's length in steps
+    metrics: dict              # the step's record, as metrics.jsonl has it
+    trainable: Trainable       # the model, its adapter as this step left it (live weights)
+
+
+#: called after every optimizer step with its record; True asks to stop
+StepCallback = Callable[[StepRecord], bool]
 
 
 def learning_rate(cfg: Config, step: int, total: int) -> float:
@@ -88,7 +100,6 @@ class Trainer:
         self.best: float | None = None
         self.nonfinite = 0
         self.on_step: StepCallback | None = None
-        self.total = 0
         self.trackers: Trackers | None = None      # [run].report_to, fed by self.metrics
 
     # ---- state -------------------------------------------------------------------------------
@@ -142,7 +153,6 @@ class Trainer:
     # ---- loop --------------------------------------------------------------------------------
     def run(self, total: int, progress: Progress) -> dict:
         cfg = self.cfg
-        self.total = total
         last: dict = {}
         while self.global_step < total:
             t0 = time.monotonic()
@@ -170,7 +180,7 @@ class Trainer:
             saved = _due(cfg.checkpoint.every_steps, self.global_step, total)
             if saved:
                 self.checkpoint_with_best(rec)
-            if self.on_step is not None and self.on_step(self, rec):
+            if self.on_step is not None and self.on_step(StepRecord(self.global_step, total, rec, self.ctx.trainable)):
                 if not saved:           # resume continues exactly where the run stopped
                     self.checkpoint_with_best(rec)
                 raise RunStopped(self.global_step)
@@ -202,8 +212,8 @@ class Trainer:
 
 
 def train(ctx: RunContext, resume: Path | bool | None = None, on_step: StepCallback | None = None) -> dict:
-    """Run the configured algorithm to completion; returns a summary. `on_step` sees every step
-    (retrograd-server: live weights, stop requests) and may stop the run (RunStopped)."""
+    """Run the configured algorithm to completion; returns a summary. `on_step` sees every step's
+    StepRecord (retrograd-server: live weights, stop requests) and may stop the run (RunStopped)."""
     cfg = ctx.cfg
     ctx.out.mkdir(parents=True, exist_ok=True)
     if not resume:
