@@ -1,5 +1,7 @@
 """The one training loop, shared by every algorithm: learning-rate schedule, gradient accumulation
 over the recipe's micro-batches, AdamW, evaluation, checkpoints with exact resume, metrics, plots.
+What sees it from outside: a step callback (StepRecord after every step; retrograd-server) and a
+StepHook at the phases of each step (retrograd-profile times them).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -62,6 +64,42 @@ class StepRecord:
 StepCallback = Callable[[StepRecord], bool]
 
 
+class StepHook(Protocol):
+    """What sees the phases of every optimizer step the trainer takes (retrograd-profile times them)."""
+
+    def started(self) -> None:
+        """A step begins: the recipe is about to sample (RL) and build its micro-batches."""
+
+    def prepared(self, work: StepWork) -> None:
+        """The recipe's work is ready: its rollout and reference log-probs are done (their times in
+        work.info, the adapter swap in work.swap_s)."""
+
+    def gradients_done(self) -> None:
+        """Forward, LM head and backward are done and the optimizer comes next; with [distributed],
+        the workers' step is done, the driver's optimizer included. Not called for a step whose loss
+        or gradient was not finite."""
+
+    def finished(self, work: StepWork) -> None:
+        """The update is applied (or the step skipped); with [distributed], work.info has the
+        workers' times."""
+
+
+class Unwatched:
+    """The StepHook of a trainer nobody watches."""
+
+    def started(self) -> None:
+        pass
+
+    def prepared(self, work: StepWork) -> None:
+        pass
+
+    def gradients_done(self) -> None:
+        pass
+
+    def finished(self, work: StepWork) -> None:
+        pass
+
+
 def learning_rate(cfg: Config, step: int, total: int) -> float:
     """Learning rate for 0-based optimizer step `step`: linear warm-up, then the chosen decay."""
     t = cfg.training
@@ -83,11 +121,13 @@ def _due(every: int, step: int, total: int) -> bool:
 
 
 class Trainer:
-    def __init__(self, ctx: RunContext, cluster: Cluster | None = None) -> None:
-        """cluster: the run's Ray workers with [distributed] (distributed.workers_for), else None."""
+    def __init__(self, ctx: RunContext, cluster: Cluster | None = None, hook: StepHook | None = None) -> None:
+        """cluster: the run's Ray workers with [distributed] (distributed.workers_for), else None;
+        hook: what sees the phases of each step."""
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.cluster = cluster
+        self.hook: StepHook = hook or Unwatched()
         # [distributed].rollouts: the recipe's generators sample on the workers
         sampling = cluster.generator if cluster is not None and self.cfg.distributed.rollouts else None
         self.recipe = recipe_for(self.cfg.run.algorithm)(ctx, sampling)
@@ -132,10 +172,12 @@ class Trainer:
         try:
             if self.grad_workers is not None:       # the workers compute, this process sums and steps
                 gnorm = self.grad_workers.train_step(work.micro, tally, hp)
+                self.hook.gradients_done()
             else:
                 for mb in work.micro:
                     tr.accumulate(mb.batch, lambda inp, mb=mb: mb.loss(inp, tally),
                                   entropy=mb.want_entropy, hidden=mb.want_hidden)
+                self.hook.gradients_done()
                 gnorm = tr.optimizer_step(**hp)
         except native.NativeError as exc:
             if exc.status != native.STATUS_NONFINITE:
@@ -156,9 +198,12 @@ class Trainer:
         last: dict = {}
         while self.global_step < total:
             t0 = time.monotonic()
+            self.hook.started()
             work = self.recipe.next_step()
+            self.hook.prepared(work)
             lr = learning_rate(cfg, self.global_step, total)
             gnorm, stats, failure = self.step(work, lr)
+            self.hook.finished(work)
             if failure:
                 self.nonfinite += 1
                 progress.note(f"step {self.global_step + 1}: {failure}; the step is skipped")

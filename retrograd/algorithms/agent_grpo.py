@@ -88,7 +88,7 @@ class AgentGRPO(GRPO):
         replaced by fresh scenarios, again rolled out together."""
         g = self.run.cfg.grpo
         t0 = time.monotonic()
-        self.sync_adapter()
+        swap_s = self.sync_adapter()
         chosen = list(self.stream.take(n=g.prompts_per_step))
         kept_trajs: list[list[Trajectory]] = [[] for _ in chosen]
         todo, tool_s, resampled = list(range(len(chosen))), 0.0, 0
@@ -133,7 +133,7 @@ class AgentGRPO(GRPO):
                  "zero_signal_groups": float(zero), "resampled_groups": float(resampled),
                  "completion_len": float(np.mean(lengths)) if lengths else 0.0,
                  **group_stats(every), "gen_s": time.monotonic() - t0 - tool_s, "tool_s": tool_s}
-        return Rollout(groups, adv, np.asarray(lengths, np.float64), slogp, stats=stats)
+        return Rollout(groups, adv, np.asarray(lengths, np.float64), slogp, stats=stats, swap_s=swap_s)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy conversations on the held-out scenarios: reward, verify pass rate, turns, tool use."""

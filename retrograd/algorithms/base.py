@@ -39,6 +39,9 @@ class StepWork:
     n_tokens: int                                   # tokens processed (for throughput)
     info: dict = field(default_factory=dict)        # logged as is (rollout statistics, timings)
     after_update: Callable[[], None] | None = None  # runs once the adapter's update is applied
+    # seconds the generator took to take the adapter before this step's rollout (0.0: the step reuses
+    # an earlier rollout; None: the recipe samples nothing); the rollout's gen_s includes them
+    swap_s: float | None = None
     # receives what the losses kept (Tally.keep) once the step's gradients are in: a loss may run in
     # another process (distributed training), so it hands values back instead of writing to the recipe
     on_kept: Callable[[dict], None] | None = None

@@ -80,6 +80,7 @@ class PPORollout:
     old_logp: list[np.ndarray]
     old_values: list[np.ndarray]
     stats: dict
+    swap_s: float = 0.0           # the adapter swap before sampling (RolloutRecipe.sync_adapter)
 
 
 class PPO(RolloutRecipe):
@@ -114,7 +115,7 @@ class PPO(RolloutRecipe):
     def _rollout(self) -> PPORollout:
         p = self.run.cfg.ppo
         t0 = time.monotonic()
-        self.sync_adapter()
+        swap_s = self.sync_adapter()
         prompts = self.stream.take(n=p.batch_prompts)
         examples, scores, lengths = [], [], []
         per: dict[str, list[float]] = {r.name: [] for r in self.rewards}
@@ -152,7 +153,7 @@ class PPO(RolloutRecipe):
         stats = {"reward_mean": mean(scores), "reward_std": float(np.std(scores)) if scores else 0.0,
                  "kl": mean(kls), "completion_len": mean(lengths), "gen_s": time.monotonic() - t0}
         stats.update(reward_stats(per))
-        return PPORollout(examples, adv, rets, logp, values, stats)
+        return PPORollout(examples, adv, rets, logp, values, stats, swap_s)
 
     def next_step(self) -> StepWork:
         p, t = self.run.cfg.ppo, self.run.cfg.training
@@ -190,7 +191,8 @@ class PPO(RolloutRecipe):
         info = dict(ro.stats) if first else {}
         tokens = int(sum(len(e.tokens) for e in ro.examples))
         # the value head's gradient is complete once every micro-batch ran: update it beside the adapter
-        return StepWork(micro, tokens, info, after_update=lambda: self.value.step(p.value_lr))
+        return StepWork(micro, tokens, info, after_update=lambda: self.value.step(p.value_lr),
+                        swap_s=ro.swap_s if first else 0.0)
 
     def estimate_steps(self) -> int:
         p, t = self.run.cfg.ppo, self.run.cfg.training

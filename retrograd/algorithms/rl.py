@@ -5,6 +5,7 @@ completions into a loss."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -74,9 +75,12 @@ class RolloutRecipe(Recipe):
         draws what the uninterrupted one drew)."""
         return np.random.SeedSequence([self.run.cfg.run.seed, self.rollout_index, *path]).generate_state(n)
 
-    def sync_adapter(self) -> None:
-        """Give the generator the adapter as it is now (after the last optimizer step)."""
+    def sync_adapter(self) -> float:
+        """Give the generator the adapter as it is now (after the last optimizer step); returns the
+        seconds it took (a step's StepWork.swap_s)."""
+        t0 = time.monotonic()
         self.gen.set_adapter(self.run.trainable.adapter_bytes())
+        return time.monotonic() - t0
 
     def score(self, texts: list[str], prompt) -> rw.Scored:
         return rw.score(self.rewards, texts, prompt.record, prompt.line, self.g.reward_errors)
