@@ -6,10 +6,8 @@ is built from one, and `open_model` is the one place that assembles it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from retrograd import native
 from retrograd.config import Config, ConfigError
@@ -32,10 +30,6 @@ class RunContext:
     train_examples: list[Example] = field(default_factory=list)
     eval_examples: list[Example] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    # set by the trainer with [distributed]: the workers (retrograd.distributed.Cluster) and what
-    # makes the recipes' generators (a Generator's signature; None: llama.cpp in this process)
-    cluster: Any = None
-    generators: Callable[..., Any] | None = None
 
     def require_train_data(self) -> Path:
         """[data].train, or the same configuration error for every algorithm that needs it."""

@@ -1,5 +1,7 @@
 """The one training loop, shared by every algorithm: learning-rate schedule, gradient accumulation
 over the recipe's micro-batches, AdamW, evaluation, checkpoints with exact resume, metrics, plots.
+What sees it from outside: a step callback (StepRecord after every step; retrograd-server) and a
+StepHook at the phases of each step (retrograd-profile times them).
 """
 
 from __future__ import annotations
@@ -8,7 +10,9 @@ import json
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -20,12 +24,16 @@ from retrograd.batch import Tally
 from retrograd.config import Config, best_metric
 from retrograd.context import RunContext, preflight_check
 from retrograd.distributed import workers_for
+from retrograd.engine import Trainable
 from retrograd.errors import RetrogradError
 from retrograd.fsutil import atomic_write
 from retrograd.logs import log
 from retrograd.report import MetricsLog, Progress, plot_run
 from retrograd.run_setup import checkpoint_dir
 from retrograd.trackers import Trackers, check_installed
+
+if TYPE_CHECKING:
+    from retrograd.distributed import Cluster
 
 MAX_NONFINITE = 5
 
@@ -42,8 +50,54 @@ class RunStopped(Exception):
         self.step = step
 
 
-#: called after every optimizer step with the trainer and the step's record; True asks to stop
-StepCallback = Callable[["Trainer", dict], bool]
+@dataclass(frozen=True)
+class StepRecord:
+    """What a step callback sees of the optimizer step just taken."""
+
+    step: int                  # optimizer steps taken so far in the run
+    total: int                 # the run's length in steps
+    metrics: dict              # the step's record, as metrics.jsonl has it
+    trainable: Trainable       # the model, its adapter as this step left it (live weights)
+
+
+#: called after every optimizer step with its record; True asks to stop
+StepCallback = Callable[[StepRecord], bool]
+
+
+class StepHook(Protocol):
+    """What sees the phases of every optimizer step the trainer takes (retrograd-profile times them)."""
+
+    def started(self) -> None:
+        """A step begins: the recipe is about to sample (RL) and build its micro-batches."""
+
+    def prepared(self, work: StepWork) -> None:
+        """The recipe's work is ready: its rollout and reference log-probs are done (their times in
+        work.info, the adapter swap in work.swap_s)."""
+
+    def gradients_done(self) -> None:
+        """Forward, LM head and backward are done and the optimizer comes next; with [distributed],
+        the workers' step is done, the driver's optimizer included. Not called for a step whose loss
+        or gradient was not finite."""
+
+    def finished(self, work: StepWork) -> None:
+        """The update is applied (or the step skipped); with [distributed], work.info has the
+        workers' times."""
+
+
+class Unwatched:
+    """The StepHook of a trainer nobody watches."""
+
+    def started(self) -> None:
+        pass
+
+    def prepared(self, work: StepWork) -> None:
+        pass
+
+    def gradients_done(self) -> None:
+        pass
+
+    def finished(self, work: StepWork) -> None:
+        pass
 
 
 def learning_rate(cfg: Config, step: int, total: int) -> float:
@@ -67,10 +121,18 @@ def _due(every: int, step: int, total: int) -> bool:
 
 
 class Trainer:
-    def __init__(self, ctx: RunContext) -> None:
+    def __init__(self, ctx: RunContext, cluster: Cluster | None = None, hook: StepHook | None = None) -> None:
+        """cluster: the run's Ray workers with [distributed] (distributed.workers_for), else None;
+        hook: what sees the phases of each step."""
         self.ctx = ctx
         self.cfg = ctx.cfg
-        self.recipe = recipe_for(self.cfg.run.algorithm)(ctx)
+        self.cluster = cluster
+        self.hook: StepHook = hook or Unwatched()
+        # [distributed].rollouts: the recipe's generators sample on the workers
+        sampling = cluster.generator if cluster is not None and self.cfg.distributed.rollouts else None
+        self.recipe = recipe_for(self.cfg.run.algorithm)(ctx, sampling)
+        # the workers compute the step's gradients unless the recipe keeps them in this process
+        self.grad_workers = cluster if cluster is not None and self.recipe.distributed_gradients else None
         self.ckpt_dir = checkpoint_dir(self.cfg)
         self.metrics = MetricsLog(ctx.out / "metrics.jsonl")
         self.best_key, self.higher_is_better = best_metric(self.cfg)
@@ -78,7 +140,6 @@ class Trainer:
         self.best: float | None = None
         self.nonfinite = 0
         self.on_step: StepCallback | None = None
-        self.total = 0
         self.trackers: Trackers | None = None      # [run].report_to, fed by self.metrics
 
     # ---- state -------------------------------------------------------------------------------
@@ -108,22 +169,23 @@ class Trainer:
         tally = Tally()
         hp = {"lr": lr, "step": self.global_step + 1, "beta1": t.beta1, "beta2": t.beta2, "eps": t.eps,
               "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "lr_b_ratio": t.lora_plus_ratio}
-        cluster = self.ctx.cluster if getattr(self.recipe, "distributed_gradients", True) else None
         try:
-            if cluster is not None:       # the workers compute, this process sums and steps
-                gnorm = cluster.train_step(work.micro, tally, hp)
+            if self.grad_workers is not None:       # the workers compute, this process sums and steps
+                gnorm = self.grad_workers.train_step(work.micro, tally, hp)
+                self.hook.gradients_done()
             else:
                 for mb in work.micro:
                     tr.accumulate(mb.batch, lambda inp, mb=mb: mb.loss(inp, tally),
                                   entropy=mb.want_entropy, hidden=mb.want_hidden)
+                self.hook.gradients_done()
                 gnorm = tr.optimizer_step(**hp)
         except native.NativeError as exc:
             if exc.status != native.STATUS_NONFINITE:
                 raise
             tr.lora.zero(native.SLOT_GRAD)
             return float("nan"), tally.result(), str(exc)
-        if self.ctx.cluster is not None:
-            work.info.update(self.ctx.cluster.step_timings())
+        if self.cluster is not None:
+            work.info.update(self.cluster.step_timings())
         if work.on_kept:
             work.on_kept(tally.kept)
         if work.after_update:
@@ -133,13 +195,15 @@ class Trainer:
     # ---- loop --------------------------------------------------------------------------------
     def run(self, total: int, progress: Progress) -> dict:
         cfg = self.cfg
-        self.total = total
         last: dict = {}
         while self.global_step < total:
             t0 = time.monotonic()
+            self.hook.started()
             work = self.recipe.next_step()
+            self.hook.prepared(work)
             lr = learning_rate(cfg, self.global_step, total)
             gnorm, stats, failure = self.step(work, lr)
+            self.hook.finished(work)
             if failure:
                 self.nonfinite += 1
                 progress.note(f"step {self.global_step + 1}: {failure}; the step is skipped")
@@ -161,7 +225,7 @@ class Trainer:
             saved = _due(cfg.checkpoint.every_steps, self.global_step, total)
             if saved:
                 self.checkpoint_with_best(rec)
-            if self.on_step is not None and self.on_step(self, rec):
+            if self.on_step is not None and self.on_step(StepRecord(self.global_step, total, rec, self.ctx.trainable)):
                 if not saved:           # resume continues exactly where the run stopped
                     self.checkpoint_with_best(rec)
                 raise RunStopped(self.global_step)
@@ -193,8 +257,8 @@ class Trainer:
 
 
 def train(ctx: RunContext, resume: Path | bool | None = None, on_step: StepCallback | None = None) -> dict:
-    """Run the configured algorithm to completion; returns a summary. `on_step` sees every step
-    (retrograd-server: live weights, stop requests) and may stop the run (RunStopped)."""
+    """Run the configured algorithm to completion; returns a summary. `on_step` sees every step's
+    StepRecord (retrograd-server: live weights, stop requests) and may stop the run (RunStopped)."""
     cfg = ctx.cfg
     ctx.out.mkdir(parents=True, exist_ok=True)
     if not resume:
@@ -203,8 +267,8 @@ def train(ctx: RunContext, resume: Path | bool | None = None, on_step: StepCallb
             ctx.notes.append(f"{ctx.out} held an earlier run: its metrics, adapter and checkpoints are now in {moved} "
                              "(--resume continues a run instead)")
     atomic_write(ctx.out / "config.json", json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
-    with workers_for(ctx):                  # [distributed]: Ray workers for the run's lifetime
-        trainer = Trainer(ctx)
+    with workers_for(ctx) as cluster:       # [distributed]: Ray workers for the run's lifetime
+        trainer = Trainer(ctx, cluster)
         trainer.on_step = on_step
         try:
             return _train(ctx, trainer, resume)
@@ -232,8 +296,8 @@ def _train(ctx: RunContext, trainer: Trainer, resume: Path | bool | None) -> dic
         trainer.trackers = Trackers(cfg.run.report_to, ctx.out, cfg.run.name or ctx.out.name, cfg.to_dict(),
                                     resume=bool(resume), already=len(trainer.metrics.read()), warn=progress.note)
         trainer.metrics.on_append = trainer.trackers
-    if ctx.cluster is not None:
-        ctx.cluster.note = progress.note      # worker deaths and replacements, as they happen
+    if trainer.cluster is not None:
+        trainer.cluster.note = progress.note      # worker deaths and replacements, as they happen
     preflight_check(ctx, progress.note)
     if resume:
         progress.note(f"resumed at step {trainer.global_step} from {state_dir}")

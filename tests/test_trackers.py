@@ -176,7 +176,7 @@ def test_resume_continues_the_same_runs_without_duplicates(tiny, offline):
     tracker has it once, in the same tracker run."""
     cfg = load(_config(offline, tiny))
     with pytest.raises(RunStopped):
-        train(open_model(cfg), on_step=lambda tr, rec: rec["step"] == 3)
+        train(open_model(cfg), on_step=lambda done: done.step == 3)
     run = offline / "runs" / "t"
     first = json.loads((run / STATE_FILE).read_text())
     assert [s for s, _ in tensorboard_scalars(run, "loss")] == [1, 2, 3]
@@ -203,8 +203,8 @@ def test_a_tracker_that_breaks_mid_run_is_counted_not_fatal(tiny, offline):
     cfg.write_text(cfg.read_text().replace('name = "t"', 'name = "t"\nreport_to = ["tensorboard", "mlflow"]'))
     run = offline / "runs" / "t"
 
-    def break_mlflow(trainer, rec) -> bool:
-        if rec["step"] == 2:
+    def break_mlflow(done) -> bool:
+        if done.step == 2:
             st = json.loads((run / STATE_FILE).read_text())["runs"]["mlflow"]
             for d in (run / "mlruns").glob(f"*/{st['run_id']}"):
                 shutil.rmtree(d)

@@ -17,6 +17,7 @@ from retrograd.agent import scenarios as sc_mod
 from retrograd.agent.judge import build_judge
 from retrograd.agent.rollout import AgentEnv, Trajectory, group_stats, rollout, score_group
 from retrograd.agent.tools import ToolBox
+from retrograd.algorithms.base import GeneratorFactory
 from retrograd.algorithms.grpo import GRPO, Rollout
 from retrograd.config import ConfigError
 from retrograd.context import RunContext
@@ -56,10 +57,10 @@ def make_env(run: RunContext, gen, toolbox: ToolBox) -> AgentEnv:
 class AgentGRPO(GRPO):
     resample_together = True
 
-    def __init__(self, run: RunContext) -> None:
+    def __init__(self, run: RunContext, generators: GeneratorFactory | None = None) -> None:
         self.toolbox = ToolBox.from_config(run.cfg)
         try:
-            super().__init__(run)
+            super().__init__(run, generators)
             self.env = make_env(run, self.gen, self.toolbox)
             unverified = [s for s in self.train_prompts + self.eval_prompts if s.verify is None]
             self.judge = build_judge(run.cfg, self.gen, run.chat, required=bool(unverified),
@@ -87,7 +88,7 @@ class AgentGRPO(GRPO):
         replaced by fresh scenarios, again rolled out together."""
         g = self.run.cfg.grpo
         t0 = time.monotonic()
-        self.sync_adapter()
+        swap_s = self.sync_adapter()
         chosen = list(self.stream.take(n=g.prompts_per_step))
         kept_trajs: list[list[Trajectory]] = [[] for _ in chosen]
         todo, tool_s, resampled = list(range(len(chosen))), 0.0, 0
@@ -132,7 +133,7 @@ class AgentGRPO(GRPO):
                  "zero_signal_groups": float(zero), "resampled_groups": float(resampled),
                  "completion_len": float(np.mean(lengths)) if lengths else 0.0,
                  **group_stats(every), "gen_s": time.monotonic() - t0 - tool_s, "tool_s": tool_s}
-        return Rollout(groups, adv, np.asarray(lengths, np.float64), slogp, stats=stats)
+        return Rollout(groups, adv, np.asarray(lengths, np.float64), slogp, stats=stats, swap_s=swap_s)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy conversations on the held-out scenarios: reward, verify pass rate, turns, tool use."""

@@ -1,19 +1,21 @@
 """The shapes every recipe shares: a micro-batch with its loss, the work of one optimizer step,
-the step's metrics (Tally) and the Recipe protocol the trainer drives."""
+the step's metrics (Tally), the Recipe protocol the trainer drives and what a recipe is built from."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from retrograd.batch import Batch, LossInputs, LossOutputs, Tally  # noqa: F401 - Tally re-exported
+from retrograd.context import RunContext
 from retrograd.data.batching import ExampleStream
 
-if TYPE_CHECKING:
-    pass
+#: what makes a recipe's generators, with Generator's signature: llama.cpp in this process when the
+#: trainer gives None, or with [distributed].rollouts sampling on the Ray workers (Cluster.generator)
+GeneratorFactory = Callable[..., Any]
 
 
 @dataclass
@@ -37,6 +39,9 @@ class StepWork:
     n_tokens: int                                   # tokens processed (for throughput)
     info: dict = field(default_factory=dict)        # logged as is (rollout statistics, timings)
     after_update: Callable[[], None] | None = None  # runs once the adapter's update is applied
+    # seconds the generator took to take the adapter before this step's rollout (0.0: the step reuses
+    # an earlier rollout; None: the recipe samples nothing); the rollout's gen_s includes them
+    swap_s: float | None = None
     # receives what the losses kept (Tally.keep) once the step's gradients are in: a loss may run in
     # another process (distributed training), so it hands values back instead of writing to the recipe
     on_kept: Callable[[dict], None] | None = None
@@ -59,6 +64,12 @@ def train_batch(batch: Batch, cfg, at: dict, i: int) -> Batch:
 
 
 class Recipe(Protocol):
+    """What the trainer drives. The recipes inherit it (DataRecipe, RolloutRecipe) for its default."""
+
+    #: whether the step's gradients may be computed on the [distributed] workers; False keeps them in
+    #: this process (PPO: its loss also trains a value head of its own, here)
+    distributed_gradients: bool = True
+
     def next_step(self) -> StepWork: ...
     def estimate_steps(self) -> int: ...
     def evaluate(self) -> dict[str, float]: ...
@@ -67,10 +78,14 @@ class Recipe(Protocol):
     def close(self) -> None: ...
 
 
-class DataRecipe:
+#: a recipe's class: built from the run and the maker of its generators (ignored by those that sample nothing)
+RecipeFactory = Callable[[RunContext, GeneratorFactory | None], Recipe]
+
+
+class DataRecipe(Recipe):
     """What the recipes that walk a data set (sft, distill, preference) share: their state is the
-    position in the stream of examples, and they hold nothing to release (subclasses that do
-    override close)."""
+    position in the stream of examples, they sample nothing (no generator: the trainer's
+    `generators` goes unused) and they hold nothing to release (subclasses that do override close)."""
 
     stream: ExampleStream
 

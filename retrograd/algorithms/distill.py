@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrograd.algorithms.base import MicroBatch, StepWork, Tally, train_batch
+from retrograd.algorithms.base import GeneratorFactory, MicroBatch, StepWork, Tally, train_batch
 from retrograd.algorithms.sft import SFT
 from retrograd.batch import LossInputs, LossOutputs
 from retrograd.context import RunContext
@@ -27,8 +27,8 @@ from retrograd.teacher import OfflineTeacher, OnlineTeacher, expand, load_teache
 
 
 class Distill(SFT):
-    def __init__(self, run: RunContext) -> None:
-        super().__init__(run)
+    def __init__(self, run: RunContext, generators: GeneratorFactory | None = None) -> None:
+        super().__init__(run, generators)
         d = run.cfg.distill
         self.d = d
         if d.teacher_file:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from retrograd.algorithms.base import MicroBatch, StepWork, Tally
+from retrograd.algorithms.base import GeneratorFactory, MicroBatch, StepWork, Tally
 from retrograd.algorithms.rl import RolloutRecipe, reward_stats
 from retrograd.batch import LossInputs, LossOutputs
 from retrograd.context import RunContext
@@ -22,7 +22,8 @@ from retrograd.losses.pg import PGBatch, PGConfig, group_advantages, policy_loss
 @dataclass
 class Rollout:
     """One batch of groups (prompt + completions), reusable for num_iterations updates. Per
-    completion, in group order: advantage, length, llama.cpp's sampling log-probs."""
+    completion, in group order: advantage, length, llama.cpp's sampling log-probs. swap_s: the
+    adapter swap before sampling (RolloutRecipe.sync_adapter)."""
 
     groups: list[Group]
     adv: np.ndarray
@@ -30,17 +31,18 @@ class Rollout:
     sample_logp: list[np.ndarray]
     old_logp: dict = field(default_factory=dict)     # micro-batch index -> logp of the first pass
     stats: dict = field(default_factory=dict)
+    swap_s: float = 0.0
 
 
 class GRPO(RolloutRecipe):
     resample_together = False     # resampled groups decoded one at a time
 
-    def __init__(self, run: RunContext) -> None:
+    def __init__(self, run: RunContext, generators: GeneratorFactory | None = None) -> None:
         g = run.cfg.grpo
         # without resampling, a step's groups are decoded together (one weight read per token for all);
         # agent_grpo also resamples its zero-signal groups together, so it always decodes them together
         together = g.prompts_per_step if g.resample_zero_groups == 0 or self.resample_together else 1
-        super().__init__(run, g, "grpo", n_seq=g.group_size * together, groups=together)
+        super().__init__(run, generators, g, "grpo", n_seq=g.group_size * together, groups=together)
         self.pg = PGConfig(g.loss, g.epsilon, g.epsilon_high or g.epsilon, g.beta, max_new_tokens=g.max_new_tokens)
         self.current: Rollout | None = None
         self.iteration = 0
@@ -49,7 +51,7 @@ class GRPO(RolloutRecipe):
     def _rollout(self) -> Rollout:
         g = self.run.cfg.grpo
         t0 = time.monotonic()
-        self.sync_adapter()
+        swap_s = self.sync_adapter()
         groups_out, lengths, slogp, groups, rewards = [], [], [], [], []
         per: dict[str, list[float]] = {r.name: [] for r in self.rewards}
         zero, errors = 0, 0
@@ -94,7 +96,7 @@ class GRPO(RolloutRecipe):
         if errors:
             stats["reward_errors"] = float(errors)
         stats.update(reward_stats(per))
-        return Rollout(groups_out, adv, np.asarray(lengths, np.float64), slogp, stats=stats)
+        return Rollout(groups_out, adv, np.asarray(lengths, np.float64), slogp, stats=stats, swap_s=swap_s)
 
     # ---- the step ------------------------------------------------------------------------------
     def next_step(self) -> StepWork:
@@ -142,7 +144,8 @@ class GRPO(RolloutRecipe):
         if g.beta > 0:
             info["ref_s"] = time.monotonic() - t_ref
         tokens = int(sum(gr.n_tokens for gr in ro.groups))
-        return StepWork(micro, tokens, info, on_kept=ro.old_logp.update if first else None)
+        return StepWork(micro, tokens, info, on_kept=ro.old_logp.update if first else None,
+                        swap_s=ro.swap_s if first else 0.0)
 
     def estimate_steps(self) -> int:
         g, t = self.run.cfg.grpo, self.run.cfg.training

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from retrograd.algorithms.base import MicroBatch, StepWork, Tally
+from retrograd.algorithms.base import GeneratorFactory, MicroBatch, StepWork, Tally
 from retrograd.algorithms.rl import RolloutRecipe, reward_stats
 from retrograd.batch import LossInputs, LossOutputs
 from retrograd.context import RunContext
@@ -80,6 +80,7 @@ class PPORollout:
     old_logp: list[np.ndarray]
     old_values: list[np.ndarray]
     stats: dict
+    swap_s: float = 0.0           # the adapter swap before sampling (RolloutRecipe.sync_adapter)
 
 
 class PPO(RolloutRecipe):
@@ -87,9 +88,9 @@ class PPO(RolloutRecipe):
     # [distributed], PPO's rollouts are spread over the workers, its gradients are not)
     distributed_gradients = False
 
-    def __init__(self, run: RunContext) -> None:
+    def __init__(self, run: RunContext, generators: GeneratorFactory | None = None) -> None:
         # a rollout's prompts decode together, one sequence each (split between the workers with [distributed])
-        super().__init__(run, run.cfg.ppo, "ppo", n_seq=run.cfg.ppo.batch_prompts)
+        super().__init__(run, generators, run.cfg.ppo, "ppo", n_seq=run.cfg.ppo.batch_prompts)
         self.value = ValueHead.new(run.trainable.info.n_embd)
         self.current: PPORollout | None = None
         self.epoch = 0
@@ -114,7 +115,7 @@ class PPO(RolloutRecipe):
     def _rollout(self) -> PPORollout:
         p = self.run.cfg.ppo
         t0 = time.monotonic()
-        self.sync_adapter()
+        swap_s = self.sync_adapter()
         prompts = self.stream.take(n=p.batch_prompts)
         examples, scores, lengths = [], [], []
         per: dict[str, list[float]] = {r.name: [] for r in self.rewards}
@@ -152,7 +153,7 @@ class PPO(RolloutRecipe):
         stats = {"reward_mean": mean(scores), "reward_std": float(np.std(scores)) if scores else 0.0,
                  "kl": mean(kls), "completion_len": mean(lengths), "gen_s": time.monotonic() - t0}
         stats.update(reward_stats(per))
-        return PPORollout(examples, adv, rets, logp, values, stats)
+        return PPORollout(examples, adv, rets, logp, values, stats, swap_s)
 
     def next_step(self) -> StepWork:
         p, t = self.run.cfg.ppo, self.run.cfg.training
@@ -190,7 +191,8 @@ class PPO(RolloutRecipe):
         info = dict(ro.stats) if first else {}
         tokens = int(sum(len(e.tokens) for e in ro.examples))
         # the value head's gradient is complete once every micro-batch ran: update it beside the adapter
-        return StepWork(micro, tokens, info, after_update=lambda: self.value.step(p.value_lr))
+        return StepWork(micro, tokens, info, after_update=lambda: self.value.step(p.value_lr),
+                        swap_s=ro.swap_s if first else 0.0)
 
     def estimate_steps(self) -> int:
         p, t = self.run.cfg.ppo, self.run.cfg.training

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from retrograd.algorithms.base import DataRecipe, MicroBatch, StepWork, Tally
+from retrograd.algorithms.base import DataRecipe, GeneratorFactory, MicroBatch, StepWork, Tally
 from retrograd.batch import LossInputs, LossOutputs
 from retrograd.context import RunContext
 from retrograd.data.batching import ExampleStream, steps_for, take_step, train_and_eval
@@ -21,7 +21,7 @@ from retrograd.losses.preference import REFERENCE_FREE, implicit_rewards, pair_b
 
 
 class Preference(DataRecipe):
-    def __init__(self, run: RunContext) -> None:
+    def __init__(self, run: RunContext, generators: GeneratorFactory | None = None) -> None:
         self.run = run
         cfg = run.cfg
         self.p = cfg.preference

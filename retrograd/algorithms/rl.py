@@ -5,11 +5,13 @@ completions into a loss."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from retrograd import rewards as rw
+from retrograd.algorithms.base import GeneratorFactory, Recipe
 from retrograd.config import RolloutSection
 from retrograd.context import RunContext
 from retrograd.data.batching import ExampleStream, train_and_eval
@@ -20,20 +22,21 @@ from retrograd.generation.weights import generator_model
 from retrograd.run_setup import config_dir, config_label
 
 
-class RolloutRecipe:
+class RolloutRecipe(Recipe):
     """Base of the RL recipes; `settings` is their [grpo] or [ppo] section."""
 
-    def __init__(self, run: RunContext, settings: RolloutSection, section: str, n_seq: int,
-                 groups: int | None = None) -> None:
-        """groups: how many prompts the n_seq sequences continue (each group shares its prompt's KV
-        cells); None: every sequence has a prompt of its own."""
+    def __init__(self, run: RunContext, generators: GeneratorFactory | None, settings: RolloutSection, section: str,
+                 n_seq: int, groups: int | None = None) -> None:
+        """generators: what makes the generator (None: llama.cpp in this process); groups: how many
+        prompts the n_seq sequences continue (each group shares its prompt's KV cells); None: every
+        sequence has a prompt of its own."""
         self.run, self.g, self.section = run, settings, section
         cfg = run.cfg
         self.rewards = self.build_rewards()
         self.train_prompts, self.eval_prompts = self.load_items()
         self.stream = ExampleStream(self.train_prompts, cfg.run.seed, cfg.data.shuffle)
         threads = run.trainable.info.n_threads
-        make = run.generators or Generator      # with [distributed]: sampled on the workers
+        make = generators or Generator      # with [distributed]: sampled on the workers
         n_ctx = self.context_size()
         cells = None if groups is None else group_kv_cells(groups, n_ctx, n_seq, settings.max_new_tokens)
         weights = generator_model(run.trainable.model_path, settings.generator_weights, threads,
@@ -72,9 +75,12 @@ class RolloutRecipe:
         draws what the uninterrupted one drew)."""
         return np.random.SeedSequence([self.run.cfg.run.seed, self.rollout_index, *path]).generate_state(n)
 
-    def sync_adapter(self) -> None:
-        """Give the generator the adapter as it is now (after the last optimizer step)."""
+    def sync_adapter(self) -> float:
+        """Give the generator the adapter as it is now (after the last optimizer step); returns the
+        seconds it took (a step's StepWork.swap_s)."""
+        t0 = time.monotonic()
         self.gen.set_adapter(self.run.trainable.adapter_bytes())
+        return time.monotonic() - t0
 
     def score(self, texts: list[str], prompt) -> rw.Scored:
         return rw.score(self.rewards, texts, prompt.record, prompt.line, self.g.reward_errors)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from retrograd.algorithms.base import DataRecipe, MicroBatch, StepWork, Tally, micro_seed, train_batch
+from retrograd.algorithms.base import DataRecipe, GeneratorFactory, MicroBatch, StepWork, Tally, micro_seed, train_batch
 from retrograd.batch import LossInputs, LossOutputs
 from retrograd.context import RunContext
 from retrograd.data.batching import ExampleStream, pack, steps_for, take_step, to_batch
@@ -22,7 +22,7 @@ def neftune_noise(seq_ids: np.ndarray, n_embd: int, alpha: float, rng: np.random
 
 
 class SFT(DataRecipe):
-    def __init__(self, run: RunContext) -> None:
+    def __init__(self, run: RunContext, generators: GeneratorFactory | None = None) -> None:
         self.run = run
         cfg = run.cfg
         self.train_examples = run.train_examples

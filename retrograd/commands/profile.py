@@ -7,14 +7,16 @@ Memory is the process's peak resident size as each phase ends. With [distributed
 worker's gradient time, the communication time and the time sampling on the workers too.
 
 Nothing is written to the run's directory: the workload trains a throw-away adapter in a
-temporary one. Each step is the trainer's own (`Trainer.step`), so what is timed is what `train`
-runs. Agentic workloads (agent_grpo) report the time their tool calls took as a phase of its own,
-apart from generation.
+temporary one. The steps are the trainer's own (`Trainer.run`, timed through its StepHook), so
+what is timed is what `train` runs, the one adapter swap that starts each rollout included.
+Agentic workloads (agent_grpo) report the time their tool calls took as a phase of its own, apart
+from generation.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import statistics
@@ -28,56 +30,75 @@ from retrograd.commands.profile_sft import peak_rss_mib
 from retrograd.errors import UsageError, reported
 
 if TYPE_CHECKING:
+    from retrograd.algorithms.base import StepWork
     from retrograd.context import RunContext
+    from retrograd.engine import Trainable
 
 PHASES = ("generation", "tool calls", "reference", "forward", "head", "backward", "optimizer", "adapter swap")
 
 
 def profile_steps(ctx: RunContext, steps: int) -> list[dict]:
     """Run steps + 1 steps of the configured algorithm through the trainer (on the run's Ray workers
-    with [distributed]); per-step seconds and peak memory per phase, and per worker."""
+    with [distributed]); per-step seconds and peak memory per phase, and per worker. The steps alone:
+    no evaluation, no checkpoints."""
     from retrograd.distributed import workers_for
-
-    with workers_for(ctx):
-        return _profile_steps(ctx, steps)
-
-
-def _profile_steps(ctx: RunContext, steps: int) -> list[dict]:
+    from retrograd.report import Progress
     from retrograd.trainer import Trainer
 
-    cfg, tr = ctx.cfg, ctx.trainable
-    trainer = Trainer(ctx)
-    recipe = trainer.recipe
-    rows = []
-    for _ in range(steps + 1):
-        row: dict = {}
-        t0 = time.perf_counter()
-        work = recipe.next_step()                      # generation and the reference pass
-        row["generation"] = work.info.get("gen_s", 0.0)
-        if "tool_s" in work.info:                      # agentic workloads: tool calls are their own phase
-            row["tool calls"] = work.info["tool_s"]
-        row["reference"] = work.info.get("ref_s", 0.0)
+    ctx.cfg.evaluation.every_steps = ctx.cfg.checkpoint.every_steps = 0
+    timer = PhaseTimer(ctx.trainable)
+    with workers_for(ctx) as cluster:
+        trainer = Trainer(ctx, cluster, hook=timer)
+        try:
+            trainer.run(steps + 1, Progress(steps + 1, stream=io.StringIO()))     # the table is the output
+        finally:
+            trainer.recipe.close()
+    return timer.rows[1:]
+
+
+class PhaseTimer:
+    """The trainer's StepHook here: it times each phase of a step and notes the peak memory as the
+    phase ends, one row per step."""
+
+    def __init__(self, trainable: Trainable) -> None:
+        self.tr = trainable
+        self.rows: list[dict] = []
+        self.row: dict = {}
+        self.t0 = 0.0
+        self.before = trainable.engine.timings()
+
+    def started(self) -> None:
+        self.row, self.t0 = {}, time.perf_counter()
+
+    def prepared(self, work: StepWork) -> None:
+        row, info = self.row, work.info
+        # the rollout's gen_s counts the adapter swap that starts it: a phase of its own here
+        row["generation"] = info.get("gen_s", 0.0) - (work.swap_s or 0.0)
+        if "tool_s" in info:                      # agentic workloads: tool calls are their own phase
+            row["tool calls"] = info["tool_s"]
+        row["reference"] = info.get("ref_s", 0.0)
         row["mem generation+reference"] = peak_rss_mib()
-        before = tr.engine.timings()
-        trainer.step(work, cfg.training.learning_rate)
-        trainer.global_step += 1
-        row["mem forward+head+backward"] = peak_rss_mib()
+        self.before = self.tr.engine.timings()
+
+    def gradients_done(self) -> None:
+        self.row["mem forward+head+backward"] = peak_rss_mib()
+
+    def finished(self, work: StepWork) -> None:
+        row = self.row
         t1 = time.perf_counter()
-        after = tr.engine.timings()
+        after = self.tr.engine.timings()
+        row.setdefault("mem forward+head+backward", peak_rss_mib())     # a skipped step has no gradients
         for name, key in (("forward", "forward_ms"), ("head", "head_ms"), ("backward", "backward_ms"),
                           ("optimizer", "optimizer_ms")):
-            row[name] = (getattr(after, key) - getattr(before, key)) / 1000
+            row[name] = (getattr(after, key) - getattr(self.before, key)) / 1000
         # [distributed]: each worker's gradient time, the slowest, the communication, the sampling
         row.update({k: v for k, v in work.info.items() if k.startswith("dist_")})
-        s = time.perf_counter()
-        if hasattr(recipe, "sync_adapter"):
-            recipe.sync_adapter()
-            row["adapter swap"] = time.perf_counter() - s
+        if work.swap_s is not None:              # recipes that sample: the swap before the rollout
+            row["adapter swap"] = work.swap_s
         row["mem optimizer+swap"] = peak_rss_mib()
-        row["total"] = (t1 - t0) + row.get("adapter swap", 0.0)
+        row["total"] = t1 - self.t0
         row["tokens"] = work.n_tokens
-        rows.append(row)
-    return rows[1:]
+        self.rows.append(row)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -282,16 +282,13 @@ class Cluster:
 
 @contextmanager
 def workers_for(ctx: RunContext) -> Iterator[Cluster | None]:
-    """The run's workers while the block runs, when [distributed].backend asks for them: the
-    context gets the cluster (gradients) and, with rollouts, the generator factory (sampling)."""
+    """The run's workers while the block runs, when [distributed].backend asks for them (None when
+    it does not): the trainer is given them (Trainer's `cluster`)."""
     if ctx.cfg.distributed.backend != "ray":
         yield None
         return
-    ctx.cluster = Cluster(ctx.cfg, ctx.trainable, ctx.out, ctx.notes.append)
-    if ctx.cfg.distributed.rollouts:
-        ctx.generators = ctx.cluster.generator
+    cluster = Cluster(ctx.cfg, ctx.trainable, ctx.out, ctx.notes.append)
     try:
-        yield ctx.cluster
+        yield cluster
     finally:
-        ctx.cluster.close()
-        ctx.cluster = ctx.generators = None
+        cluster.close()

@@ -9,7 +9,6 @@ sequence's token log-probabilities under the model come back with the text.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import weakref
 from collections.abc import Sequence
@@ -18,19 +17,14 @@ from pathlib import Path
 import llama_cpp.llama_cpp as lc
 import numpy as np
 
-from retrograd import adapter as adapter_io
 from retrograd.data.tokenizer import Tokenizer, quiet_llama_logs
 from retrograd.errors import GenerationError
 from retrograd.generation import split
+from retrograd.generation.adapter_slot import AdapterSlot
 from retrograd.generation.joint import JointAdapter
 from retrograd.generation.sampling import Completion, SamplingParams, sample
 from retrograd.logs import log
 from retrograd.run_setup import resolve_threads
-
-_libc = ctypes.CDLL(None)
-_libc.fmemopen.restype = ctypes.c_void_p
-_libc.fmemopen.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-_libc.fclose.argtypes = [ctypes.c_void_p]
 
 
 def extra_buffers_safe() -> bool:
@@ -79,8 +73,8 @@ def group_kv_cells(groups: int, n_ctx: int, n_seq: int, max_new_tokens: int) -> 
     return groups * n_ctx + n_seq * (max_new_tokens + 8)
 
 
-class Generator:
-    """A llama.cpp model and context for generation, with an adapter slot."""
+class Generator(AdapterSlot):
+    """A llama.cpp model and context for generation, with an adapter slot (adapter_slot.py)."""
 
     def __init__(self, model_path: str | os.PathLike, *, n_ctx: int = 2048, n_seq: int = 1,
                  threads: int | None = None, device: str = "auto", kv_cells: int | None = None) -> None:
@@ -149,89 +143,6 @@ class Generator:
     def _reopen(self, path: Path) -> None:
         self._free()
         self._open(path)
-
-    # ---- adapters ------------------------------------------------------------------------------
-    def set_adapter(self, data: bytes | None, scale: float = 1.0) -> None:
-        """Swap in an adapter from GGUF bytes (None switches it off). A DoRA adapter cannot be applied by
-        llama.cpp: the generator loads the model with it merged in (F16, cached; generation/merge.py)
-        and loads the base again when switched back, so that switch reloads weights."""
-        old = self._adapter
-        if data is not None and adapter_io.kind_of(data) == "dora":
-            from retrograd.generation.merge import merged_model
-
-            if self._joint is not None:       # the base is a split copy (a merged model is never one)
-                raise GenerationError(f"{self.path}: a split generator copy cannot apply a DoRA adapter "
-                                      '(set generator_weights = "native")')
-            merged = merged_model(self.path, data)
-            if old is not None:
-                lc.llama_set_adapters_lora(self._ctx, None, 0, None)
-                lc.llama_adapter_lora_free(old)
-                self._adapter = None
-            if merged != self._merged:
-                try:
-                    self._reopen(merged)
-                except GenerationError:
-                    self._open(self.path)       # keep a working generator: the base model
-                    self._merged = None
-                    raise
-                self._merged = merged
-            self._cache = []
-            return
-        if self._merged is not None:
-            self._reopen(self.path)
-            self._merged = None
-            old = None                    # freed with the merged model's context
-        # the old adapter goes first, so that two adapters never sit in memory together (GRPO swaps
-        # one every step, and the swap was the step's peak resident memory)
-        self._apply(None)
-        self._adapter = None
-        self._cache = []               # cached keys/values were computed with other weights
-        if old is not None:
-            lc.llama_adapter_lora_free(old)
-        self._trained = False
-        if self._joint is not None:
-            try:
-                ad = self._joint.load(self._model, data, scale)
-            except GenerationError:
-                # never decode the split weights without their offsets
-                self._adapter = self._joint.load(self._model, None)
-                self._apply(self._adapter)
-                raise
-            if not self._apply(ad):
-                lc.llama_adapter_lora_free(ad)
-                raise GenerationError("llama.cpp could not apply the adapter")
-            self._adapter, self._trained = ad, data is not None
-        elif data is not None:
-            # llama.cpp reads the bytes in place ("rb": fmemopen never writes), no copy of the adapter
-            data = data if isinstance(data, bytes) else bytes(data)
-            fp = _libc.fmemopen(data, len(data), b"rb")
-            if not fp:
-                raise OSError("fmemopen failed")
-            try:
-                ad = lc.llama_adapter_lora_init_from_file_ptr(self._model, fp)
-            finally:
-                _libc.fclose(fp)
-            if not ad:
-                raise GenerationError("llama.cpp rejected the adapter (is it for this model?)")
-            if not self._apply(ad, scale):
-                self._apply(None)
-                lc.llama_adapter_lora_free(ad)
-                raise GenerationError("llama.cpp could not apply the adapter")
-            self._adapter, self._trained = ad, True
-
-    def _apply(self, ad, scale: float = 1.0) -> bool:
-        """Give the context the adapter `ad` (None: none)."""
-        if ad is None:
-            return lc.llama_set_adapters_lora(self._ctx, None, 0, None) == 0
-        arr = (lc.llama_adapter_lora_p_ctypes * 1)(ad)
-        return lc.llama_set_adapters_lora(self._ctx, arr, 1, (ctypes.c_float * 1)(scale)) == 0
-
-    def load_adapter(self, path: str | os.PathLike) -> None:
-        self.set_adapter(Path(path).read_bytes())
-
-    @property
-    def has_adapter(self) -> bool:
-        return self._trained or self._merged is not None
 
     # ---- decoding ----------------------------------------------------------------------------
     def _decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],

@@ -109,7 +109,7 @@ def main(argv: list[str]) -> int:
     logs.setup()
     from retrograd.serve.openai_api import error_body
     from retrograd.serve.runs import RunRecord, RunStore
-    from retrograd.trainer import RunStopped, train
+    from retrograd.trainer import RunStopped, StepRecord, train
 
     store = RunStore(run_dir.parent.parent)
     rec = RunRecord(**json.loads((run_dir / "run.json").read_text()))
@@ -125,15 +125,15 @@ def main(argv: list[str]) -> int:
               + (", resuming from the latest checkpoint" if rec.resume else ""), file=sys.stderr, flush=True)
         ctx = open_model(cfg)
 
-        def on_step(trainer, record: dict) -> bool:
-            chan.send({"type": "step", "record": record, "total": trainer.total})
+        def on_step(done: StepRecord) -> bool:
+            chan.send({"type": "step", "record": done.metrics, "total": done.total})
             while not chats.empty():
                 msg = chats.get()
                 try:
-                    ans = live.answer(trainer.ctx.trainable, msg["request"])
-                    chan.send({"type": "chat", "id": msg["id"], "step": trainer.global_step, "answer": list(ans)})
+                    ans = live.answer(done.trainable, msg["request"])
+                    chan.send({"type": "chat", "id": msg["id"], "step": done.step, "answer": list(ans)})
                 except Exception as exc:          # one bad request never stops the run
-                    chan.send({"type": "chat", "id": msg["id"], "step": trainer.global_step, "error": error_body(exc)})
+                    chan.send({"type": "chat", "id": msg["id"], "step": done.step, "error": error_body(exc)})
             live.release_if_idle(cfg.serving.idle_seconds)
             return stop.is_set()
 
