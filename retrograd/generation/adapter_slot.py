@@ -14,7 +14,6 @@ glibc's fmemopen is bound on first use, so that importing the generator works on
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -24,15 +23,11 @@ import llama_cpp.llama_cpp as lc
 from retrograd import adapter as adapter_io
 from retrograd.errors import GenerationError
 from retrograd.generation.joint import JointAdapter
+from retrograd.libc import Lazy
 
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None)
-    libc.fmemopen.restype = ctypes.c_void_p
-    libc.fmemopen.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    libc.fclose.argtypes = [ctypes.c_void_p]
-    return libc
+# the C library's, bound at the first adapter read from memory, not at import (retrograd.libc)
+_fmemopen = Lazy("fmemopen", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p])
+_fclose = Lazy("fclose", ctypes.c_int, [ctypes.c_void_p])
 
 
 class AdapterSlot:
@@ -115,14 +110,13 @@ class AdapterSlot:
             return
         # llama.cpp reads the bytes in place ("rb": fmemopen never writes), no copy of the adapter
         data = data if isinstance(data, bytes) else bytes(data)
-        libc = _libc()
-        fp = libc.fmemopen(data, len(data), b"rb")
+        fp = _fmemopen(data, len(data), b"rb")
         if not fp:
             raise OSError("fmemopen failed")
         try:
             ad = lc.llama_adapter_lora_init_from_file_ptr(self._model, fp)
         finally:
-            libc.fclose(fp)
+            _fclose(fp)
         if not ad:
             raise GenerationError("llama.cpp rejected the adapter (is it for this model?)")
         if not self._apply(ad, scale):

@@ -35,6 +35,7 @@ from retrograd import native
 from retrograd.adapter import GGML_F16, GGML_F32, GGML_Q8_0
 from retrograd.errors import GenerationError
 from retrograd.generation.split import BLOCK, RANK_STEP, offsets_path, up
+from retrograd.libc import Lazy
 
 _READ = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_void_p, ctypes.POINTER(ctypes.c_char), ctypes.c_size_t)
 _SEEK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int)
@@ -45,11 +46,10 @@ class _IoFunctions(ctypes.Structure):
     _fields_ = [("read", _READ), ("write", ctypes.c_void_p), ("seek", _SEEK), ("close", _CLOSE)]
 
 
-_libc = ctypes.CDLL(None)
-_libc.fopencookie.restype = ctypes.c_void_p
-_libc.fopencookie.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _IoFunctions]
-_libc.fclose.argtypes = [ctypes.c_void_p]
-_libc.setvbuf.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_size_t]
+# glibc's, bound at the first joint adapter built, not at import (retrograd.libc)
+_fopencookie = Lazy("fopencookie", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p, _IoFunctions])
+_fclose = Lazy("fclose", ctypes.c_int, [ctypes.c_void_p])
+_setvbuf = Lazy("setvbuf", ctypes.c_int, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_size_t])
 
 Q8_BYTES = 2 + BLOCK          # a Q8_0 block: its scale (F16), then 32 int8
 
@@ -173,7 +173,7 @@ class JointAdapter:
         try:
             ad = lc.llama_adapter_lora_init_from_file_ptr(model, fp)
         finally:
-            _libc.fclose(fp)
+            _fclose(fp)
             stream.release()
         if stream.error is not None:
             if ad:
@@ -237,11 +237,11 @@ class _Stream:
 
         # the callbacks must outlive the FILE*: kept on the stream, which the caller holds until fclose
         self._funcs = _IoFunctions(_READ(read), None, _SEEK(seek), _CLOSE(lambda _c: 0))
-        fp = _libc.fopencookie(None, b"rb", self._funcs)
+        fp = _fopencookie(None, b"rb", self._funcs)
         if not fp:
             raise OSError("fopencookie failed")
         # reads of 64 KiB instead of glibc's 8 KiB (fewer calls into Python); not larger, since
         # llama.cpp seeks before each tensor and a seek throws the buffer's rest away
         self._buffer = ctypes.create_string_buffer(1 << 16)
-        _libc.setvbuf(fp, self._buffer, 0, len(self._buffer))        # _IOFBF
+        _setvbuf(fp, self._buffer, 0, len(self._buffer))        # _IOFBF
         return fp
