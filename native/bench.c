@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+const void * rg_ggml_init_address(void) { return (const void *) ggml_init; }
+
 /* values in [-1, 1): any will do, not zeros */
 static void fill(float * x, int64_t n) {
     uint32_t s = 12345u;

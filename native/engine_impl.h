@@ -1,7 +1,7 @@
 /*
- * engine_impl.h - what engine.c shares with recompute.c (activation checkpointing): the engine's
- * state, a training micro-batch's run state, and the steps of preparing a micro-batch. Private to
- * the two files; the C ABI is retrograd.h.
+ * engine_impl.h - the engine's state, a training micro-batch's run state, and the steps of
+ * preparing a micro-batch (microbatch.c), shared by engine.c, microbatch.c, recompute.c (activation
+ * checkpointing) and preflight.c. Private to those files; the C ABI is retrograd.h.
  */
 #ifndef RG_ENGINE_IMPL_H
 #define RG_ENGINE_IMPL_H
@@ -81,6 +81,11 @@ enum {
                               * (an output): activation checkpointing's first pass */
 };
 
+/* the graph of a micro-batch of n_tokens rows (padded) of that kind, built but not allocated */
+rg_status rg_engine_build(rg_engine * e, rg_lora * lora, int32_t n_tokens, int kind, bool noise, bool dropout,
+                          rg_built * o);
+/* A checked, padded batch with its graph built and allocated and its inputs set; on failure nothing
+ * is left to release. */
 rg_status rg_engine_prepare(rg_engine * e, rg_lora * lora, const rg_batch * batch, int kind, rg_prepared * p);
 void      rg_engine_release(rg_engine * e, rg_prepared * p);
 bool      rg_engine_on_node(struct ggml_tensor * t, bool ask, void * user);
@@ -88,8 +93,5 @@ struct ggml_tensor * rg_engine_grad_of_param(const rg_lora * l, const struct ggm
 /* the micro-batch's gradient with each layer's activations recomputed in the backward (recompute.c) */
 rg_status rg_engine_accumulate_recompute(rg_engine * e, rg_lora * lora, const rg_batch * batch, rg_coeff_fn fn,
                                          void * user, int want_entropy, int want_hidden, float * logp_out);
-
-/* preflight.c: the slow paths of a built training graph, kept in the engine */
-void rg_preflight_slow_paths(rg_engine * e, struct ggml_cgraph * gf);
 
 #endif

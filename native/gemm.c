@@ -25,6 +25,7 @@
  * ggml's product. The kernel is chosen here (kernel()) and the packed layouts follow it (layout()).
  */
 #include "rg_internal.h"
+#include "kernels.h"
 
 #include "ggml-cpu.h"
 

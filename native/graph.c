@@ -191,23 +191,6 @@ static struct ggml_tensor * ffn(rg_graph_build * b, int il, struct ggml_tensor *
     return linear(b, il, RG_TARGET_DOWN, named(act, "ffn_act", il), NULL);
 }
 
-bool rg_use_converted_matmul(enum ggml_type type, int mode) {
-    if (mode == RG_MATMUL_NATIVE || mode == RG_MATMUL_F32 || !ggml_is_quantized(type)) return false;
-    if (mode == RG_MATMUL_F16 || mode == RG_MATMUL_BF16) return true;
-    /* measured on AVX2 (scripts/bench_matmul.py): Q8_0 and Q4_0 have fast native kernels */
-    return type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q4_0;
-}
-
-enum ggml_type rg_conv_type(int mode) {
-    if (mode == RG_MATMUL_BF16) return GGML_TYPE_BF16;
-    if (mode == RG_MATMUL_AUTO && ggml_cpu_has_avx512_bf16()) return GGML_TYPE_BF16;
-    return GGML_TYPE_F16;
-}
-
-const char * rg_matmul_conv_type(int mode) {
-    return mode == RG_MATMUL_F32 ? "f32" : ggml_type_name(rg_conv_type(mode));
-}
-
 /* the inputs every layer reads: positions, attention masks, LoRA dropout's seed */
 void rg_build_layer_inputs(rg_graph_build * b) {
     struct ggml_context * ctx = b->ctx;

@@ -1,5 +1,5 @@
 /*
- * model.c - devices, errors, and loading a GGUF model with its weights in their stored types.
+ * model.c - devices, and loading a GGUF model with its weights in their stored types.
  *
  * On the CPU the file is memory-mapped and the tensors point into the mapping, so a quantized
  * model costs its file size in page cache and nothing more; on other devices the tensor data
@@ -10,53 +10,18 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
-/* errors ---------------------------------------------------------------------------------- */
-static __thread char g_error[1024];
-
-const char * rg_last_error(void) { return g_error; }
-
-const void * rg_ggml_init_address(void) { return (const void *) ggml_init; }
-
-rg_status rg_fail(rg_status status, const char * fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(g_error, sizeof(g_error), fmt, ap);
-    va_end(ap);
-    return status;
-}
-
-void * rg_malloc(size_t bytes, const char * what) {
-    void * p = malloc(bytes ? bytes : 1);
-    if (!p) rg_fail(RG_ERR_NOMEM, "out of host memory: %zu bytes for %s", bytes, what);
-    return p;
-}
-
-void * rg_calloc(size_t n, size_t size, const char * what) {
-    void * p = calloc(n ? n : 1, size ? size : 1);
-    if (!p) rg_fail(RG_ERR_NOMEM, "out of host memory: %zu x %zu bytes for %s", n, size, what);
-    return p;
-}
-
-double rg_now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
-
-bool rg_backend_is_host(ggml_backend_t backend) {
+/* devices --------------------------------------------------------------------------------- */
+static bool backend_is_host(ggml_backend_t backend) {
     return ggml_backend_dev_type(ggml_backend_get_device(backend)) == GGML_BACKEND_DEVICE_TYPE_CPU;
 }
 
-/* devices --------------------------------------------------------------------------------- */
 static int to_rg_device_type(enum ggml_backend_dev_type t) {
     switch (t) {
         case GGML_BACKEND_DEVICE_TYPE_CPU:  return RG_DEVICE_CPU;
@@ -377,7 +342,7 @@ static rg_status load_data(rg_model * m, const char * path) {
         m->n_params += ggml_nelements(t);
     }
 
-    if (rg_backend_is_host(m->backend)) {
+    if (backend_is_host(m->backend)) {
         void * addr = mmap(NULL, file_size, PROT_READ, MAP_SHARED, fd, 0);
         close(fd);
         if (addr == MAP_FAILED) return rg_fail(RG_ERR_IO, "%s: mmap failed: %s", path, strerror(errno));
@@ -439,7 +404,7 @@ rg_status rg_model_init(const char * path, int device_index, int n_threads, rg_m
         if (!m->backend) st = rg_fail(RG_ERR_DEVICE, "could not initialise device %s", ggml_backend_dev_name(m->dev));
     }
     if (st == RG_OK) {
-        if (rg_backend_is_host(m->backend)) {
+        if (backend_is_host(m->backend)) {
             m->backend_cpu = m->backend;
         } else {
             m->backend_cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, NULL);

@@ -5,6 +5,7 @@
 #define RG_INTERNAL_H
 
 #include "retrograd.h"
+#include "util.h"
 
 #include "ggml.h"
 #include "ggml-alloc.h"
@@ -15,20 +16,6 @@
 #include <stdbool.h>
 
 #define RG_MAX_LAYERS 256
-
-/* errors ---------------------------------------------------------------------------------- */
-rg_status rg_fail(rg_status status, const char * fmt, ...) __attribute__((format(printf, 2, 3)));
-double    rg_now_ms(void);
-/* RETRO_TRACE_NODES=1: graphs name their nodes on stderr as they run (engine.c) */
-bool      rg_trace_nodes(void);
-
-/* Running out of host memory is reported as a compute failure (see retrograd.h). */
-#define RG_ERR_NOMEM RG_ERR_COMPUTE
-/* malloc / calloc that, on failure, leave "out of host memory ... for <what>" for rg_last_error()
- * and return NULL: the caller frees what it holds and returns RG_ERR_NOMEM. Zero bytes allocate
- * one, so NULL always means failure. */
-void * rg_malloc(size_t bytes, const char * what);
-void * rg_calloc(size_t n, size_t size, const char * what);
 
 typedef enum { RG_ARCH_LLAMA, RG_ARCH_QWEN2, RG_ARCH_QWEN3, RG_ARCH_GEMMA3 } rg_arch;
 
@@ -182,9 +169,6 @@ rg_status rg_set_attention_inputs(const rg_graph_build * b, const rg_batch * bat
 bool rg_attn_tile(rg_graph_build * b, struct ggml_cgraph * gf, int il);
 /* the I32 [T, 3] visibility input of a batch */
 void rg_attn_fill_vis(const rg_batch * batch, int32_t * out);
-/* outer.c's register tile: acc[i][j] = sum_s B[s * ldb + i * sb] V[s * ldv + j], i < nb <= 8, j < nv <= 32 */
-void rg_tile_product(const float * V, size_t ldv, const float * B, size_t ldb, size_t sb, int64_t steps, int nv, int nb,
-                     float acc[8][32]);
 
 /* A transient F16 copy of a (quantized) weight, optionally transposed (convert.c). */
 /* op kinds as counted by profiling and preflight: ggml ops, then unary ops */
@@ -212,10 +196,6 @@ struct ggml_tensor * rg_base_weight_of(const rg_model * m, struct ggml_tensor * 
 struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * gf, size_t size);
 
 struct ggml_tensor * rg_dequant(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed, enum ggml_type type);
-/* values [i0, i0 + n) of a weight row (F32 or a ggml type with to_float) as F32; i0 and n multiples
- * of the type's block size, or n reaching the row's end (convert.c, also gemm.c's packing) */
-void rg_row_span_f32(const struct ggml_tensor * w, const void * row, int64_t i0, int64_t n,
-                     ggml_to_float_t to_float, float * out);
 /* the weight cache (wcache.c): w's cached copy of that type (NULL: none); a cached copy's base
  * weight (NULL: c is not one); freeing */
 struct ggml_tensor * rg_model_cached(const rg_model * m, const struct ggml_tensor * w, bool transposed, enum ggml_type type);
@@ -256,39 +236,6 @@ bool                 rg_gemm_lowrank_fits(const struct ggml_tensor * v, const st
                                           int64_t n_tokens);
 struct ggml_tensor * rg_gemm_lowrank(struct ggml_context * ctx, struct ggml_tensor * packed_w, struct ggml_tensor * packed_x,
                                      struct ggml_tensor * v, struct ggml_tensor * z);
-/* an optional low-rank term added to a tile: V [rows, r] (column q at V + q ldv) times Z [r, T]
- * (token t's values at Z + t ldz), both F32, pointed at the tile's first row and token */
-typedef struct {
-    const float * V, * Z;
-    int64_t       ldv, ldz;
-    int           r;
-} rg_lowrank;
-/* the term for the tile whose first row is row0 and first token tok0, from v [rows, r] and z [r, T] */
-static inline rg_lowrank rg_lowrank_at(const struct ggml_tensor * v, const struct ggml_tensor * z, int64_t row0,
-                                       int64_t tok0) {
-    const int64_t ldv = v->nb[1] / sizeof(float), ldz = z->nb[1] / sizeof(float);
-    const rg_lowrank lr = { (const float *) v->data + row0, (const float *) z->data + tok0 * ldz, ldv, ldz, (int) v->ne[1] };
-    return lr;
-}
-/* a 16-lane mask of the first n lanes (none for n <= 0, all for n >= 16): the lanes of a vector
- * that still hold data when n values are left */
-static inline uint16_t rg_lanes16(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (uint16_t) ((1u << n) - 1); }
-/* gemm_amx.c: the same product on AMX tiles. rg_amx_ready: the CPU has AMX-BF16 and Linux granted
- * the tile state (asked once). The activations' packing there is row-major BF16 [2 kp, 32 ceil(T / 32)]
- * (kp a multiple of 16); both are ggml custom ops for gemm.c's builders. */
-bool rg_amx_ready(void);
-void rg_amx_pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata);
-void rg_amx_gemm(struct ggml_tensor * dst, int ith, int nth, void * userdata);
-/* gemm_avx2.c: the same product for CPUs without AVX512-BF16, F16 weights times F32 activations.
- * rg_avx2_ready: the CPU has AVX2, FMA and F16C. The weight packed as F16 [RG_AVX2_MR k, row blocks],
- * the activations as F32 [RG_AVX2_NR k, token blocks]; the three are ggml custom ops for gemm.c's
- * builders (the weight's userdata non-NULL: transposed). */
-#define RG_AVX2_MR 16
-#define RG_AVX2_NR 6
-bool rg_avx2_ready(void);
-void rg_avx2_pack_weight(struct ggml_tensor * dst, int ith, int nth, void * userdata);
-void rg_avx2_pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata);
-void rg_avx2_gemm(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 /* the FLOPs of a gemm.c product node (its contraction rounded up to even, plus the low-rank term), else 0 */
 double               rg_gemm_flops(const struct ggml_tensor * t);
 /* whether a graph of this matmul mode multiplies converted base weights through gemm.c: the mode
@@ -296,7 +243,7 @@ double               rg_gemm_flops(const struct ggml_tensor * t);
  * explicit mode or auto, never native or f32); the weight cache then holds packed copies */
 bool                 rg_gemm_for_mode(int matmul_mode);
 
-/* Whether a weight of this type is multiplied through an on-the-fly 16-bit copy, and which type
+/* matmul.c: whether a weight of this type is multiplied through an on-the-fly 16-bit copy, and which type
  * that copy has in this mode (BF16 where the CPU has a BF16 dot product and the mode allows). */
 bool           rg_use_converted_matmul(enum ggml_type type, int mode);
 enum ggml_type rg_conv_type(int mode);
@@ -321,8 +268,5 @@ void      rg_head_set_matmul_mode(rg_head * head, int mode);
  * targets' own log-probs when target_logp is not NULL. */
 rg_status rg_head_topk(rg_head * head, struct ggml_tensor * hidden, const rg_batch * batch, int k,
                        int32_t * ids_out, float * logp_out, float * target_logp);
-
-/* helpers -------------------------------------------------------------------------------- */
-bool rg_backend_is_host(ggml_backend_t backend);
 
 #endif /* RG_INTERNAL_H */
