@@ -29,6 +29,8 @@ static rg_status engine_setup(rg_engine * e, rg_model * model) {
     if (!e->opt_galloc) return rg_fail(RG_ERR_NOMEM, "could not create the optimizer's graph allocator");
     e->head = rg_head_new(model);
     if (!e->head) return RG_ERR_NOMEM;
+    rg_matmul_decide(RG_MATMUL_AUTO, RG_KERNEL_AUTO, &e->matmul);    /* the default, always valid */
+    rg_head_set_matmul(e->head, &e->matmul);
     /* tensors and graphs of one build: forward + backward + rewrite */
     e->ctx_mem_size = ggml_tensor_overhead() * e->graph_size * 4 + ggml_graph_overhead_custom(e->graph_size, true) * 2;
     e->ctx_mem = rg_malloc(e->ctx_mem_size, "the graph metadata");
@@ -54,9 +56,13 @@ void rg_engine_free(rg_engine * e) {
     free(e);
 }
 
-void rg_engine_set_matmul_mode(rg_engine * e, int mode) {
-    e->matmul_mode = mode;
-    rg_head_set_matmul_mode(e->head, mode);
+rg_status rg_engine_set_matmul(rg_engine * e, int mode, int kernel) {
+    rg_matmul mm;
+    const rg_status st = rg_matmul_decide(mode, kernel, &mm);
+    if (st) return st;      /* the engine as it was */
+    e->matmul = mm;
+    rg_head_set_matmul(e->head, &mm);
+    return RG_OK;
 }
 
 void rg_engine_set_exact_ops(rg_engine * e, int on) { e->exact_ops = on != 0; }

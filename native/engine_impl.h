@@ -20,7 +20,7 @@ struct rg_engine {
     bool                 exact_ops;
     bool                 dense_attention;   /* rg_engine_set_attention */
     bool                 recompute;   /* activation checkpointing (recompute.c) */
-    int                  matmul_mode;
+    rg_matmul            matmul;      /* rg_engine_set_matmul, decided once (matmul.c) */
     bool                 profiling;
     rg_profile           prof;
     double               prof_last;

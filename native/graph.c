@@ -63,10 +63,10 @@ static struct ggml_tensor * linear(rg_graph_build * b, int il, int t, struct ggm
     struct ggml_context * ctx = b->ctx;
     struct ggml_tensor * w = b->model->layers[il].w[t];
     struct ggml_tensor * wq = w;          /* W as the products read it */
-    if (b->matmul_mode == RG_MATMUL_F32 && w->type != GGML_TYPE_F32) {
+    if (b->matmul.mode == RG_MATMUL_F32 && w->type != GGML_TYPE_F32) {
         wq = ggml_cast(ctx, w, GGML_TYPE_F32);
-    } else if (b->on_cpu && rg_use_converted_matmul(w->type, b->matmul_mode)) {
-        const enum ggml_type ct = rg_conv_type(b->matmul_mode);
+    } else if (b->on_cpu && rg_matmul_converts(&b->matmul, w->type)) {
+        const enum ggml_type ct = b->matmul.conv_type;
         wq = rg_model_cached(b->model, w, false, ct);
         if (!wq) wq = rg_dequant(ctx, w, false, ct);
     }
@@ -79,7 +79,7 @@ static struct ggml_tensor * linear(rg_graph_build * b, int il, int t, struct ggm
             CHECK_SHAPE(b, xa, x->ne[0], x->ne[1], 1, "lora dropout");
         }
         struct ggml_tensor * ax = named(ggml_mul_mat(ctx, pr->a.t[RG_SLOT_PARAM], xa), "lora_ax", il);
-        if (b->matmul_mode == RG_MATMUL_NATIVE) {
+        if (b->matmul.mode == RG_MATMUL_NATIVE) {
             /* llama.cpp's order, for bit-equal log-probs */
             y = ggml_add(ctx, y, ggml_scale(ctx, ggml_mul_mat(ctx, pr->b.t[RG_SLOT_PARAM], ax), b->lora->scale));
         } else {
@@ -146,7 +146,7 @@ static struct ggml_tensor * attention(rg_graph_build * b, int il, struct ggml_te
      * generic loop on the CPU). The native mode keeps llama.cpp's own route: its promise is
      * bit-equal log-probs, and a last-bit change in the scores moves some activations across a
      * rounding step of the quantized kernels (a 0.03 mean |diff| in log-prob, docs/numerics.md) */
-    if (b->matmul_mode != RG_MATMUL_NATIVE) q = ggml_cont(ctx, q);
+    if (b->matmul.mode != RG_MATMUL_NATIVE) q = ggml_cont(ctx, q);
     k = ggml_permute(ctx, k, 0, 2, 1, 3);                       /* [hd, T, n_kv] */
     struct ggml_tensor * kq = ggml_mul_mat(ctx, k, q);          /* [T_k, T_q, n_head] */
     rg_attn_nodes * A = &b->attn[il];

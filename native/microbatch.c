@@ -144,8 +144,7 @@ rg_status rg_engine_build(rg_engine * e, rg_lora * lora, int32_t n_tokens, int k
     o->b.exact_ops = e->exact_ops;
     o->b.tiled_attention = !e->dense_attention;
     o->b.on_cpu = e->model->backend == e->model->backend_cpu;
-    o->b.matmul_mode = e->matmul_mode;
-    o->b.packed = rg_gemm_for_mode(e->matmul_mode);
+    o->b.matmul = e->matmul;
     o->b.embed_noise = noise;
     o->b.dropout = dropout;
     if (!rg_build_trunk(&o->b)) {

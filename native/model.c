@@ -389,6 +389,7 @@ rg_status rg_model_init(const char * path, int device_index, int n_threads, rg_m
     }
     rg_model * m = rg_calloc(1, sizeof(*m), "the model");
     if (!m) return RG_ERR_NOMEM;
+    m->cache_kernel = RG_KERNEL_GGML;     /* no weight cache yet (wcache.c) */
     struct gguf_init_params gp = { .no_alloc = true, .ctx = &m->wctx };
     m->gguf = gguf_init_from_file(path, gp);
     if (!m->gguf) {

@@ -41,7 +41,7 @@ static rg_status segment(const rg_segments * s, int il, const float * x_in, floa
     if (!ctx) return rg_fail(RG_ERR_NOMEM, "out of host memory for a layer's graph context");
     rg_graph_build b = {
         .model = e->model, .lora = s->lora, .ctx = ctx, .n_tokens = T, .train = true, .exact_ops = e->exact_ops, .tiled_attention = !e->dense_attention,
-        .matmul_mode = e->matmul_mode, .packed = rg_gemm_for_mode(e->matmul_mode), .dropout = s->batch->lora_dropout > 0.0f,
+        .matmul = e->matmul, .dropout = s->batch->lora_dropout > 0.0f,
         .on_cpu = e->model->backend == e->model->backend_cpu,
     };
     rg_build_layer_inputs(&b);

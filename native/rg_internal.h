@@ -57,7 +57,7 @@ struct rg_model {
     ggml_backend_buffer_t   cache_buf;
     struct ggml_tensor    * cache[RG_MAX_LAYERS][RG_N_TARGETS][2];
     size_t                  cache_bytes;
-    bool                    cache_packed;   /* the copies are packed for gemm.c */
+    int                     cache_kernel;   /* the packed kernel the copies are packed for (RG_KERNEL_GGML: not packed) */
     int64_t                 n_params;
     size_t                  weight_bytes;
 };
@@ -90,6 +90,23 @@ struct rg_lora {
 
 /* the slots of the adapter's tensor `index` (ABI order: per pair A, B, then DoRA's m) */
 rg_lora_slotset * rg_lora_slots(const rg_lora * l, int index);
+
+/* the frozen weights' products (matmul.c) ----------------------------------------------- */
+/* How an engine (or a weight cache) multiplies the frozen base weights, decided once from a matmul
+ * mode and a kernel request and read by everything that builds or fills a graph. */
+typedef struct {
+    int            mode;       /* RG_MATMUL_* */
+    enum ggml_type conv_type;  /* the on-the-fly copies' type, F16 or BF16 (unused in F32 mode) */
+    int            kernel;     /* what multiplies the copies: a packed kernel (RG_KERNEL_AVX512_BF16,
+                                * _AMX_BF16, _AVX2_F16: gemm.c), or RG_KERNEL_GGML, ggml's product */
+} rg_matmul;
+/* RG_ERR_ARG for an unknown mode or kernel, RG_ERR_UNSUPPORTED for a kernel this CPU lacks. A
+ * packed kernel is taken in the modes that convert for speed (auto, f16, bf16) when the copies are
+ * its type (BF16 for the BF16 kernels, F16 for avx2-f16); otherwise out->kernel is RG_KERNEL_GGML. */
+rg_status rg_matmul_decide(int mode, int kernel, rg_matmul * out);
+/* whether a weight of this type is multiplied through an on-the-fly copy (of mm->conv_type) */
+bool      rg_matmul_converts(const rg_matmul * mm, enum ggml_type type);
+static inline bool rg_matmul_packed(const rg_matmul * mm) { return mm->kernel != RG_KERNEL_GGML; }
 
 /* graph construction (graph.c) ------------------------------------------------------------ */
 /* one layer's attention as graph.c builds it, for attention.c's rewrite */
@@ -133,8 +150,7 @@ typedef struct {
     bool                 tiled_attention; /* attention.c's ops where they may run (rg_engine_set_attention) */
     bool                 on_cpu;      /* the weights live on the CPU: retrograd's CPU kernels (outer.c,
                                        * convert.c) may run; on another device only ggml's ops do */
-    int                  matmul_mode; /* RG_MATMUL_* */
-    bool                 packed;      /* the converted base weights' products through gemm.c (rg_gemm_for_mode) */
+    rg_matmul            matmul;      /* the engine's decision for the base weights' products */
     /* after the backward is built, consumers of subst_from[i] read subst_to[i] instead: the
      * forward value then comes from llama.cpp's own fused op (bit-equal outputs) while the
      * gradient comes from the composite that has a backward */
@@ -200,9 +216,10 @@ struct ggml_tensor * rg_dequant(struct ggml_context * ctx, struct ggml_tensor * 
  * weight (NULL: c is not one); freeing */
 struct ggml_tensor * rg_model_cached(const rg_model * m, const struct ggml_tensor * w, bool transposed, enum ggml_type type);
 struct ggml_tensor * rg_model_uncached(const rg_model * m, const struct ggml_tensor * c);
-/* w's copy packed for gemm.c in that orientation (NULL: none; the cache holds packed copies when the
- * mode it was made for runs gemm.c, and then rg_model_cached finds none) */
-struct ggml_tensor * rg_model_cached_packed(const rg_model * m, const struct ggml_tensor * w, bool transposed);
+/* w's copy packed for the packed kernel `kernel` in that orientation (NULL: none; the cache holds
+ * packed copies when the decision it was made for runs a packed kernel, and then rg_model_cached
+ * finds none) */
+struct ggml_tensor * rg_model_cached_packed(const rg_model * m, const struct ggml_tensor * w, bool transposed, int kernel);
 void                 rg_model_free_weight_cache(rg_model * m);
 /* dst [n0, n1, H] = sum over t of p[:, t, h / (H / Hp)] q[:, t, h]^T for p [n0, T, Hp], q [n1, T, H]
  * (outer.c); fits: F32, at most 3-D, each column contiguous */
@@ -215,19 +232,19 @@ bool rg_outer_sum_fits(const struct ggml_tensor * p, const struct ggml_tensor * 
 struct ggml_tensor * rg_rank_expand(struct ggml_context * ctx, struct ggml_tensor * v, struct ggml_tensor * z);
 bool rg_rank_expand_fits(const struct ggml_tensor * v, const struct ggml_tensor * z);
 
-/* gemm.c: the frozen weights' 16-bit products through packed operands (see there; rg_gemm_available
- * in retrograd.h says whether this CPU runs them, rg_gemm_kernel which kernel). A weight packed as
+/* gemm.c: the frozen weights' 16-bit products through packed operands, by the packed kernel
+ * `kernel` (RG_KERNEL_AVX512_BF16, _AMX_BF16 or _AVX2_F16, as rg_matmul decided). A weight packed as
  * stored (rows = n_out) or transposed (rows = n_in); activations [k, T] packed (fits: F32, 2-D,
- * columns contiguous); their product [rows, T]. The packed types and shapes follow the kernel in use:
+ * columns contiguous); their product [rows, T]. The packed types and shapes follow the kernel:
  * rg_packed_weight_shape gives the weight's (and returns its type). */
-struct ggml_tensor * rg_pack_weight(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed);
-enum ggml_type       rg_packed_weight_shape(const struct ggml_tensor * w, bool transposed, int64_t ne[2]);
-/* whether a kept packed copy of w (the weight cache's, the LM head's) is in the kernel's layout now:
- * not after RETRO_PACKED_GEMM changed the kernel */
-bool                 rg_packed_weight_current(const struct ggml_tensor * packed, const struct ggml_tensor * w,
-                                              bool transposed);
+struct ggml_tensor * rg_pack_weight(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed, int kernel);
+enum ggml_type       rg_packed_weight_shape(const struct ggml_tensor * w, bool transposed, int kernel, int64_t ne[2]);
+/* whether a kept packed copy of w (the weight cache's, the LM head's) is in the kernel's layout (the
+ * two BF16 kernels share theirs) */
+bool                 rg_packed_weight_fits(const struct ggml_tensor * packed, const struct ggml_tensor * w,
+                                           bool transposed, int kernel);
 bool                 rg_pack_act_fits(const struct ggml_tensor * x);
-struct ggml_tensor * rg_pack_act(struct ggml_context * ctx, struct ggml_tensor * x);
+struct ggml_tensor * rg_pack_act(struct ggml_context * ctx, struct ggml_tensor * x, int kernel);
 struct ggml_tensor * rg_gemm(struct ggml_context * ctx, struct ggml_tensor * packed_w, struct ggml_tensor * packed_x,
                              int64_t rows, int64_t n_tokens);
 /* the same product plus v z (v F32 [rows, r], z F32 [r, T], columns contiguous) in its epilogue:
@@ -238,15 +255,6 @@ struct ggml_tensor * rg_gemm_lowrank(struct ggml_context * ctx, struct ggml_tens
                                      struct ggml_tensor * v, struct ggml_tensor * z);
 /* the FLOPs of a gemm.c product node (its contraction rounded up to even, plus the low-rank term), else 0 */
 double               rg_gemm_flops(const struct ggml_tensor * t);
-/* whether a graph of this matmul mode multiplies converted base weights through gemm.c: the mode
- * converts them to the kernel's weight type (BF16 for the BF16 kernels, F16 for avx2-f16; the
- * explicit mode or auto, never native or f32); the weight cache then holds packed copies */
-bool                 rg_gemm_for_mode(int matmul_mode);
-
-/* matmul.c: whether a weight of this type is multiplied through an on-the-fly 16-bit copy, and which type
- * that copy has in this mode (BF16 where the CPU has a BF16 dot product and the mode allows). */
-bool           rg_use_converted_matmul(enum ggml_type type, int mode);
-enum ggml_type rg_conv_type(int mode);
 
 /* LM head (head.c) -------------------------------------------------------------------------- */
 typedef struct rg_head rg_head;
@@ -261,9 +269,9 @@ rg_status rg_head_backward(rg_head * head, struct ggml_tensor * hidden,
                            struct ggml_tensor * grad_hidden, const rg_batch * batch,
                            const float * logp, const float * coeff);
 double    rg_head_ms(rg_head * head, bool reset);
-/* the engine's matmul mode (RG_MATMUL_*, AUTO at creation): F32 is exact, the others convert W_out's
- * slices in the backward to rg_conv_type(mode) */
-void      rg_head_set_matmul_mode(rg_head * head, int mode);
+/* the engine's decision (auto at creation): F32 mode is exact, the others convert W_out's slices in
+ * the backward to mm->conv_type, and a packed kernel multiplies the quantized W_out's products */
+void      rg_head_set_matmul(rg_head * head, const rg_matmul * mm);
 /* The k most likely next tokens (ids, log-probs) at each target's row, best first, and the
  * targets' own log-probs when target_logp is not NULL. */
 rg_status rg_head_topk(rg_head * head, struct ggml_tensor * hidden, const rg_batch * batch, int k,

@@ -52,9 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(DPO, IPO, SimPO, ORPO), evaluation, chat and an OpenAI-compatible server.",
         epilog=COMMON + " Environment: RETRO_THREADS overrides training.threads; RETRO_REQUIRE_GPU_RESIDENT=1 equals "
                         "training.require_gpu_resident; RETRO_FAST_TOP_P=1 uses a faster top-p selection (ties may "
-                        "resolve differently); RETRO_PACKED_GEMM=0 multiplies the BF16 weight copies through ggml's own "
-                        "product instead of retrograd's packed kernel (CPUs with AVX512-BF16), RETRO_PACKED_GEMM=avx512 "
-                        "keeps its AVX512-BF16 kernel on a CPU with AMX tiles; RETRO_DEVICE_SAMPLING "
+                        "resolve differently); RETRO_DEVICE_SAMPLING "
                         "and RETRO_DEVICE_LOGPROBS have no effect in this "
                         "version (sampling and its log-probs are always computed on the host); RUST_LOG (alias RETRO_LOG: "
                         "error, warn, info, debug, or retrograd=LEVEL) sets the log level of retrograd and of "

@@ -66,9 +66,9 @@ def test_preflight_and_missing_model(smollm, tmp_path):
     out = cli("preflight", "--model", str(smollm), "--targets", "q,v", "--strict")
     assert out.returncode == 0 and "every op of the training graph" in out.stdout
     assert "slow paths" not in out.stdout, out.stdout      # the CPU build's own route for every op
-    kernel = native.gemm_kernel()                             # and which product route auto takes, and why
+    kernel = native.matmul_kernel("auto")                     # and which product route auto takes, and why
     assert f"packed kernel {kernel}" in out.stdout and ("AVX" in out.stdout or "AMX" in out.stdout
-                                                        or kernel == "none"), out.stdout
+                                                        or kernel == "ggml"), out.stdout
     out = cli("preflight", "--model", str(tmp_path / "nope.gguf"))
     assert out.returncode == 1 and "no such model file" in out.stderr and "Traceback" not in out.stderr
     out = cli("preflight", "--model", str(smollm), "--targets", "q,zz")

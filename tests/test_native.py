@@ -31,6 +31,13 @@ def test_config_targets_are_the_c_librarys():
     assert native.TARGETS == TARGETS
 
 
+def test_config_matmul_precisions_are_the_engines_routes():
+    from retrograd.sections import MATMUL_PRECISIONS
+
+    assert set(native.MATMUL_ROUTES) == {*MATMUL_PRECISIONS, "f32"}
+    assert set(native.PACKED_KERNELS) <= set(MATMUL_PRECISIONS)
+
+
 def test_one_ggml_in_process():
     import llama_cpp  # noqa: F401 - loads libllama and its ggml
 

@@ -1,4 +1,4 @@
-"""The native sources' layout: no cycle between C files.
+"""The native sources' layout: no cycle between C files, the environment read in one place.
 
 A file depends on another when a function it defines calls (or takes the address of) a function the
 other defines; those dependencies must form no cycle, so each file can be read, tested and changed
@@ -158,3 +158,11 @@ def test_no_cycle_between_native_files():
     assert found is None, "native files depend on each other round in a cycle: " + " -> ".join(
         f"{f} ({', '.join(sorted(deps[f][g]))})" for f, g in zip(found, found[1:])) + f" -> {found[-1]}"
 
+
+
+def test_the_environment_is_read_in_one_place():
+    """Settings reach the engine through its setters, never from the environment of a hot path: the
+    one variable the library reads (RETRO_TRACE_NODES, a debugging switch for a whole process) is
+    read once, in util.c."""
+    readers = [name for name, text in native_sources().items() if re.search(r"\bgetenv\s*\(", strip(text))]
+    assert readers == ["util.c"]
