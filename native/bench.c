@@ -10,6 +10,7 @@
  * oracle (rg_gemm_check), the tests' way in to it.
  */
 #include "rg_internal.h"
+#include "retrograd_test.h"
 
 #include "ggml-cpu.h"
 

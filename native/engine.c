@@ -5,6 +5,7 @@
  * is recompute.c's; preflight is preflight.c's.
  */
 #include "engine_impl.h"
+#include "retrograd_test.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -20,7 +21,6 @@ static size_t graph_size_for(const rg_model * m) {
 static rg_status engine_setup(rg_engine * e, rg_model * model) {
     e->model = model;
     e->graph_size = graph_size_for(model);
-    e->head_budget = (size_t) 512 << 20;
     ggml_backend_t backends[2] = { model->backend, model->backend_cpu };
     const int n_backends = model->backend_cpu != model->backend ? 2 : 1;
     e->sched = ggml_backend_sched_new(backends, NULL, n_backends, e->graph_size, false, false);
@@ -65,7 +65,14 @@ rg_status rg_engine_set_matmul(rg_engine * e, int mode, int kernel) {
     return RG_OK;
 }
 
-void rg_engine_set_exact_ops(rg_engine * e, int on) { e->exact_ops = on != 0; }
+/* a switch's value: 0 or 1, else RG_ERR_ARG naming the setting */
+static rg_status switch_value(int on, const char * what, bool * out) {
+    if (on != 0 && on != 1) return rg_fail(RG_ERR_ARG, "%s: expected 0 or 1, got %d", what, on);
+    *out = on == 1;
+    return RG_OK;
+}
+
+rg_status rg_engine_set_exact_ops(rg_engine * e, int on) { return switch_value(on, "exact ops", &e->exact_ops); }
 
 rg_status rg_engine_set_attention(rg_engine * e, int mode) {
     if (mode != RG_ATTENTION_TILED && mode != RG_ATTENTION_DENSE) return rg_fail(RG_ERR_ARG, "unknown attention mode %d", mode);
@@ -73,9 +80,7 @@ rg_status rg_engine_set_attention(rg_engine * e, int mode) {
     return RG_OK;
 }
 
-void rg_engine_set_recompute(rg_engine * e, int on) { e->recompute = on != 0; }
-
-void rg_engine_set_head_budget(rg_engine * e, size_t bytes) { e->head_budget = bytes; }
+rg_status rg_engine_set_recompute(rg_engine * e, int on) { return switch_value(on, "activation checkpointing", &e->recompute); }
 
 void rg_engine_get_timings(const rg_engine * e, rg_timings * out) { *out = e->timings; }
 
@@ -196,8 +201,9 @@ rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float 
         }
         ggml_set_output(total);
         ggml_build_forward_expand(gf, total);
-        if (!ggml_gallocr_alloc_graph(e->opt_galloc, gf) ||
-            ggml_backend_graph_compute(e->model->backend, gf) != GGML_STATUS_SUCCESS) {
+        if (!ggml_gallocr_alloc_graph(e->opt_galloc, gf)) {
+            st = rg_fail(RG_ERR_NOMEM, "could not allocate the gradient norm's graph");
+        } else if (ggml_backend_graph_compute(e->model->backend, gf) != GGML_STATUS_SUCCESS) {
             st = rg_fail(RG_ERR_COMPUTE, "gradient norm computation failed");
         } else {
             ggml_backend_tensor_get(total, &sq, 0, sizeof(float));
@@ -231,7 +237,7 @@ rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float 
                                                               kind == 0 ? hp : kind == 1 ? hp_b : hp_m));
         }
         if (!ggml_gallocr_alloc_graph(e->opt_galloc, gf)) {
-            st = rg_fail(RG_ERR_COMPUTE, "optimizer graph allocation failed");
+            st = rg_fail(RG_ERR_NOMEM, "could not allocate the optimizer's graph");
         } else {
             const float b1h = 1.0f / (1.0f - powf(p->beta1, (float) p->step));
             const float b2h = 1.0f / (1.0f - powf(p->beta2, (float) p->step));
@@ -256,7 +262,7 @@ rg_status rg_engine_adamw(rg_engine * e, rg_lora * l, const rg_adamw * p, float 
 }
 
 /* ---- profiling ------------------------------------------------------------------------------ */
-void rg_engine_set_profiling(rg_engine * e, int on) { e->profiling = on != 0; }
+rg_status rg_engine_set_profiling(rg_engine * e, int on) { return switch_value(on, "profiling", &e->profiling); }
 int rg_engine_profile_count(const rg_engine * e) { return rg_profile_count(&e->prof); }
 rg_status rg_engine_profile_get(const rg_engine * e, int index, rg_profile_entry * out) {
     return rg_profile_get(&e->prof, index, out);

@@ -13,7 +13,6 @@ struct rg_engine {
     ggml_backend_sched_t sched;
     ggml_gallocr_t       opt_galloc;
     rg_head            * head;
-    size_t               head_budget;
     void               * ctx_mem;
     size_t               ctx_mem_size;
     size_t               graph_size;
@@ -34,6 +33,9 @@ struct rg_engine {
     int                  slow_count[8];
     rg_timings           timings;
 };
+
+/* the LM head's softmax store at most (beyond it the head recomputes the softmax in its backward) */
+#define RG_HEAD_BUDGET ((size_t) 512 << 20)
 
 /* state of one accumulate() call, visible to the eval callback */
 typedef struct {

@@ -169,7 +169,7 @@ static rg_status ensure_store(rg_head * h, int cols) {
         h->store_ctx, ggml_backend_get_default_buffer_type(h->model->backend));
     if (!h->store_buf) {
         free_store(h);
-        return rg_fail(RG_ERR_COMPUTE, "could not allocate the LM head softmax store (%d rows)", cols);
+        return rg_fail(RG_ERR_NOMEM, "could not allocate the LM head softmax store (%d rows)", cols);
     }
     h->store_cap = cols;
     return RG_OK;
@@ -215,7 +215,7 @@ static rg_status select_rows(rg_head * h, const rg_batch * batch) {
 }
 
 static rg_status compute(rg_head * h, struct ggml_cgraph * gf) {
-    if (!ggml_gallocr_alloc_graph(h->galloc, gf)) return rg_fail(RG_ERR_COMPUTE, "LM head: graph allocation failed");
+    if (!ggml_gallocr_alloc_graph(h->galloc, gf)) return rg_fail(RG_ERR_NOMEM, "could not allocate the LM head's graph");
     return RG_OK;
 }
 

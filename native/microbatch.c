@@ -224,7 +224,7 @@ static rg_status alloc_and_set_inputs(rg_engine * e, rg_built * o, const rg_batc
     ggml_backend_sched_reset(e->sched);
     if (o->grad_hidden) ggml_backend_sched_set_tensor_backend(e->sched, o->grad_hidden, e->model->backend);
     if (!ggml_backend_sched_alloc_graph(e->sched, o->gf)) {
-        return rg_fail(RG_ERR_COMPUTE, "could not allocate the compute graph (%d tokens): out of memory?", batch->n_tokens);
+        return rg_fail(RG_ERR_NOMEM, "could not allocate the compute graph (%d tokens)", batch->n_tokens);
     }
     const int T = batch->n_tokens;
     ggml_backend_tensor_set(o->b.inp_tokens, batch->tokens, 0, sizeof(int32_t) * (size_t) T);
@@ -312,7 +312,7 @@ bool rg_engine_on_node(struct ggml_tensor * t, bool ask, void * user) {
     const float * hidden = r->want_hidden ? hidden_to_host(r->hidden, &hidden_owned) : NULL;
     rg_status st = RG_OK;
     if (!coeff || (r->want_entropy && !entropy) || (r->want_hidden && (!hgrad || !hidden))) st = RG_ERR_NOMEM;
-    if (st == RG_OK && K > 0) st = rg_head_forward(e->head, r->hidden, batch, r->logp, entropy, true, e->head_budget);
+    if (st == RG_OK && K > 0) st = rg_head_forward(e->head, r->hidden, batch, r->logp, entropy, true, RG_HEAD_BUDGET);
     if (st == RG_OK) {
         const int rc = r->fn(r->user, K, r->logp, entropy, coeff, T, D, hidden, hgrad);
         if (rc != 0) st = rg_fail(RG_ERR_CALLBACK, "the loss callback failed (code %d)", rc);

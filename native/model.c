@@ -362,7 +362,7 @@ static rg_status load_data(rg_model * m, const char * path) {
     }
 
     m->wbuf = ggml_backend_alloc_ctx_tensors_from_buft(m->wctx, ggml_backend_dev_buffer_type(m->dev));
-    if (!m->wbuf) { close(fd); return rg_fail(RG_ERR_DEVICE, "%s: could not allocate the weights on %s", path, ggml_backend_dev_name(m->dev)); }
+    if (!m->wbuf) { close(fd); return rg_fail(RG_ERR_NOMEM, "%s: could not allocate the weights on %s", path, ggml_backend_dev_name(m->dev)); }
     ggml_backend_buffer_set_usage(m->wbuf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     size_t cap = 0;
     void * staging = NULL;
@@ -378,6 +378,16 @@ static rg_status load_data(rg_model * m, const char * path) {
     free(staging);
     close(fd);
     return RG_OK;
+}
+
+/* n_threads <= 0: every online core */
+static void set_threads(rg_model * m, int n_threads) {
+    if (n_threads <= 0) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        n_threads = n > 0 ? (int) n : 1;
+    }
+    m->n_threads = n_threads;
+    ggml_backend_cpu_set_n_threads(m->backend_cpu, n_threads);
 }
 
 rg_status rg_model_init(const char * path, int device_index, int n_threads, rg_model ** out) {
@@ -413,7 +423,7 @@ rg_status rg_model_init(const char * path, int device_index, int n_threads, rg_m
         }
     }
     if (st == RG_OK) st = load_data(m, path);
-    if (st == RG_OK) st = rg_model_set_threads(m, n_threads);
+    if (st == RG_OK) set_threads(m, n_threads);
     if (st != RG_OK) {
         rg_model_free(m);
         return st;
@@ -432,16 +442,6 @@ void rg_model_free(rg_model * m) {
     if (m->wctx) ggml_free(m->wctx);
     if (m->gguf) gguf_free(m->gguf);
     free(m);
-}
-
-rg_status rg_model_set_threads(rg_model * m, int n_threads) {
-    if (n_threads <= 0) {
-        long n = sysconf(_SC_NPROCESSORS_ONLN);
-        n_threads = n > 0 ? (int) n : 1;
-    }
-    m->n_threads = n_threads;
-    ggml_backend_cpu_set_n_threads(m->backend_cpu, n_threads);
-    return RG_OK;
 }
 
 void rg_model_get_info(const rg_model * m, rg_model_info * out) {
@@ -474,15 +474,5 @@ rg_status rg_model_tensor_info(const rg_model * m, int index, const char ** name
     *name = t->name;
     *type_name = ggml_type_name(t->type);
     for (int i = 0; i < 4; i++) ne[i] = t->ne[i];
-    return RG_OK;
-}
-
-rg_status rg_model_target_dims(const rg_model * m, int layer, int target, int64_t * n_in, int64_t * n_out) {
-    if (layer < 0 || layer >= m->hp.n_layer || target < 0 || target >= RG_N_TARGETS) {
-        return rg_fail(RG_ERR_ARG, "no target %d in layer %d", target, layer);
-    }
-    const struct ggml_tensor * w = m->layers[layer].w[target];
-    *n_in = w->ne[0];
-    *n_out = w->ne[1];
     return RG_OK;
 }

@@ -11,9 +11,6 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-/* Running out of host memory is reported as a compute failure (see retrograd.h). */
-#define RG_ERR_NOMEM RG_ERR_COMPUTE
-
 /* Leaves the message for rg_last_error() and returns status, so `return rg_fail(...)` reports. */
 rg_status rg_fail(rg_status status, const char * fmt, ...) __attribute__((format(printf, 2, 3)));
 

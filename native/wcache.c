@@ -57,7 +57,9 @@ static rg_status fill(rg_model * m) {
     }
     ggml_gallocr_t ga = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
     rg_status st = RG_OK;
-    if (!ga || !ggml_gallocr_alloc_graph(ga, gf) || ggml_backend_graph_compute(m->backend_cpu, gf) != GGML_STATUS_SUCCESS) {
+    if (!ga || !ggml_gallocr_alloc_graph(ga, gf)) {
+        st = rg_fail(RG_ERR_NOMEM, "could not allocate the weight cache's conversion graph");
+    } else if (ggml_backend_graph_compute(m->backend_cpu, gf) != GGML_STATUS_SUCCESS) {
         st = rg_fail(RG_ERR_COMPUTE, "could not fill the weight cache");
     }
     if (ga) ggml_gallocr_free(ga);

@@ -1,9 +1,11 @@
-"""Python face of the native engine (native/retrograd.h); the only module that touches cffi.
+"""Python face of the native engine (native/retrograd.h, and native/retrograd_test.h's entry points
+for tests and benchmarks); the only module that touches cffi.
 
 Everything here is a thin, typed wrapper: models, LoRA tensors, micro-batches, the forward and
 training calls, AdamW, preflight. Errors from C arrive as NativeError carrying the C message and
-status. Every constant (statuses, targets, slots, device kinds, matmul modes, RG_NO_PREFIX) is
-read from the compiled header (lib.RG_*), never copied.
+status (NativeMemoryError, also a MemoryError, when memory ran out). Every constant (statuses,
+targets, slots, device kinds, matmul modes and kernels, RG_NO_PREFIX) is read from the compiled
+header (lib.RG_*), never copied.
 """
 
 from __future__ import annotations
@@ -50,9 +52,10 @@ STATUS_DEVICE = lib.RG_ERR_DEVICE
 STATUS_COMPUTE = lib.RG_ERR_COMPUTE
 STATUS_NONFINITE = lib.RG_ERR_NONFINITE
 STATUS_CALLBACK = lib.RG_ERR_CALLBACK
+STATUS_NOMEM = lib.RG_ERR_NOMEM
 _KINDS = {STATUS_ARG: "bad argument", STATUS_IO: "I/O error", STATUS_FORMAT: "format error",
           STATUS_UNSUPPORTED: "unsupported", STATUS_DEVICE: "device error", STATUS_COMPUTE: "compute error",
-          STATUS_NONFINITE: "non-finite value", STATUS_CALLBACK: "callback error"}
+          STATUS_NONFINITE: "non-finite value", STATUS_CALLBACK: "callback error", STATUS_NOMEM: "out of memory"}
 
 
 class NativeError(RetrogradError, RuntimeError):
@@ -65,9 +68,18 @@ class NativeError(RetrogradError, RuntimeError):
         self.kind = _KINDS.get(status, "error")
 
 
+class NativeMemoryError(NativeError, MemoryError):
+    """The native engine ran out of memory (RG_ERR_NOMEM): host memory, or a device buffer. The
+    message says what could not be allocated; a smaller micro-batch, weight cache or model helps."""
+
+
 def _check(status: int) -> None:
-    if status != STATUS_OK:
-        raise NativeError(status, ffi.string(lib.rg_last_error()).decode("utf-8", "replace"))
+    if status == STATUS_OK:
+        return
+    message = ffi.string(lib.rg_last_error()).decode("utf-8", "replace")
+    if status == STATUS_NOMEM:
+        raise NativeMemoryError(status, message if message.startswith("out of") else f"out of memory: {message}")
+    raise NativeError(status, message)
 
 
 def _free(free: Callable, ptr, _parents: tuple) -> None:
@@ -440,6 +452,7 @@ class Timings:
     graph_mib: float = 0.0
 
 
+# ---- tests and benchmarks (native/retrograd_test.h) -----------------------------------------
 _GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 8, "q4_k": 12, "q6_k": 14, "bf16": 30}
 
 
@@ -526,7 +539,7 @@ class Engine(_Handle):
 
     def set_exact_ops(self, on: bool) -> None:
         """Exact composite ops everywhere (for finite-difference checks); see retrograd.h."""
-        lib.rg_engine_set_exact_ops(self._ptr, int(on))
+        _check(lib.rg_engine_set_exact_ops(self._ptr, int(on)))
 
     def set_attention(self, mode: str) -> None:
         """'tiled' (default: memory grows with the tokens) or 'dense' (ggml's ops on whole score matrices)."""
@@ -536,7 +549,7 @@ class Engine(_Handle):
 
     def set_recompute(self, on: bool) -> None:
         """Activation checkpointing: each layer recomputed in the backward from its saved input."""
-        lib.rg_engine_set_recompute(self._ptr, int(on))
+        _check(lib.rg_engine_set_recompute(self._ptr, int(on)))
 
     def forward(self, lora: Lora | None, batch: Batch, entropy: bool = False,
                 hidden: bool = False) -> LossInputs:
@@ -613,7 +626,7 @@ class Engine(_Handle):
         return out
 
     def set_profiling(self, on: bool) -> None:
-        lib.rg_engine_set_profiling(self._ptr, int(on))
+        _check(lib.rg_engine_set_profiling(self._ptr, int(on)))
 
     def profile(self, reset: bool = True) -> list[ProfileEntry]:
         """Per (phase, op, kind) tallies since the last reset, largest time first."""

@@ -1,4 +1,6 @@
-"""The native sources' layout: no cycle between C files, the environment read in one place.
+"""The native sources' layout: no cycle between C files, the environment read in one place, and an
+ABI (native/retrograd.h) whose every function is defined and used, apart from the entry points for
+tests and benchmarks (native/retrograd_test.h).
 
 A file depends on another when a function it defines calls (or takes the address of) a function the
 other defines; those dependencies must form no cycle, so each file can be read, tested and changed
@@ -12,7 +14,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-NATIVE = Path(__file__).resolve().parent.parent / "native"
+ROOT = Path(__file__).resolve().parent.parent
+NATIVE = ROOT / "native"
 
 _NOT_FUNCTIONS = {"if", "for", "while", "switch", "return", "sizeof", "defined"}
 _ATTRIBUTE = re.compile(r"__attribute__\s*\(\((?:[^()]|\([^()]*\))*\)\)")
@@ -166,3 +169,35 @@ def test_the_environment_is_read_in_one_place():
     read once, in util.c."""
     readers = [name for name, text in native_sources().items() if re.search(r"\bgetenv\s*\(", strip(text))]
     assert readers == ["util.c"]
+
+
+def declared(header: str) -> dict[str, str]:
+    """Functions declared in a header's cffi block: name -> return type."""
+    text = (NATIVE / header).read_text()
+    block = strip(text[text.index("/* RG_CDEF_BEGIN */"):text.index("/* RG_CDEF_END */")])
+    return {m.group(2): " ".join(m.group(1).split()) for m in re.finditer(r"([\w\s*]+?)\b(rg_\w+)\s*\(", block)
+            if not m.group(1).strip().startswith("typedef")}
+
+
+def used_from(*folders: str) -> str:
+    return "".join(p.read_text() for f in folders for p in sorted((ROOT / f).rglob("*.py")))
+
+
+def test_every_exported_function_is_defined_and_used():
+    """retrograd.h is the whole ABI: each function it declares is defined by a native file and called
+    by the package (through native.py's cffi); the test and benchmark entry points are declared in
+    retrograd_test.h instead, each called by the package, the tests or the scripts. Setters answer
+    with a status, as every fallible call does."""
+    abi, testing = declared("retrograd.h"), declared("retrograd_test.h")
+    assert "rg_engine_accumulate" in abi and "rg_gemm_check" in testing and "rg_rows_quantize" in abi
+    assert not abi.keys() & testing.keys()
+    defined = {fn for text in native_sources().values() for fn, (static, _) in functions(text).items() if not static}
+    assert not (abi.keys() | testing.keys()) - defined, "declared but not defined"
+    package, everywhere = used_from("retrograd"), used_from("retrograd", "tests", "scripts")
+    def unused(names, text):
+        return [f for f in names if not re.search(rf"\blib\.{f}\b", text)]
+
+    assert not unused(abi, package), "in the ABI, used by nobody in the package"
+    assert not unused(testing, everywhere), "declared for tests, used by nobody"
+    setters = {f: ret for f, ret in {**abi, **testing}.items() if "_set_" in f}
+    assert len(setters) >= 6 and all(ret == "rg_status" for ret in setters.values()), setters
