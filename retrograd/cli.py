@@ -12,14 +12,9 @@ import textwrap
 
 from retrograd import logs
 from retrograd.errors import reported
-from retrograd.features import NOT_BUILT as _NOT_BUILT
-from retrograd.features import refuse
 
 COMMON = "Paths on the command line resolve against the current directory; paths in the TOML file " \
          "resolve against the file's directory."
-
-#: commands of the specification that this version refuses (from retrograd.features)
-NOT_BUILT: dict[str, str] = {c: _NOT_BUILT[c] for c in ("scenarios", "judge", "collect", "tools") if c in _NOT_BUILT}
 
 #: command -> module under retrograd.commands whose run(args) carries it out
 COMMANDS = {"train": "train", "bench": "bench", "chat": "chat", "serve": "serve", "inspect": "inspect",
@@ -52,9 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(DPO, IPO, SimPO, ORPO), evaluation, chat and an OpenAI-compatible server.",
         epilog=COMMON + " Environment: RETRO_THREADS overrides training.threads; RETRO_REQUIRE_GPU_RESIDENT=1 equals "
                         "training.require_gpu_resident; RETRO_FAST_TOP_P=1 uses a faster top-p selection (ties may "
-                        "resolve differently); RETRO_DEVICE_SAMPLING "
-                        "and RETRO_DEVICE_LOGPROBS have no effect in this "
-                        "version (sampling and its log-probs are always computed on the host); RUST_LOG (alias RETRO_LOG: "
+                        "resolve differently); RETRO_DEVICE_SAMPLING and RETRO_DEVICE_LOGPROBS, which the "
+                        "specification names, are not read (sampling and its log-probs are computed on the host "
+                        "on every device); RUST_LOG (alias RETRO_LOG: "
                         "error, warn, info, debug, or retrograd=LEVEL) sets the log level of retrograd and of "
                         "llama.cpp (default warn); RETROGRAD_CACHE moves the model cache; RETRO_STATE_DIR and "
                         "RETRO_API_KEY are retrograd-server's defaults. Manual pages: man retrograd, man "
@@ -248,9 +243,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-gap", type=float, metavar="G", help="with --pairs: skip a scenario whose two rewards differ "
                                                               "by less (default 0.5)")
 
-    for name, what in NOT_BUILT.items():
-        p = sub.add_parser(name, help=f"[not built yet] {what}", description=f"Not built yet: {what}.")
-        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     # the top-level help lists every command with its flags, then the environment (kept as written)
     listing = ["commands and their flags (retrograd COMMAND --help explains each):"]
     for p in sub.choices.values():
@@ -278,8 +270,6 @@ def main(argv: list[str] | None = None) -> int:
 def dispatch(args: argparse.Namespace) -> int:
     """Run the command; a RetrogradError becomes one `error:` line and its exit code."""
     def body() -> int:
-        if args.command in NOT_BUILT:
-            refuse(args.command)
         return importlib.import_module(f"retrograd.commands.{COMMANDS[args.command]}").run(args)
     return reported(body)
 

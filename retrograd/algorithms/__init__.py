@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from retrograd.algorithms.base import MicroBatch, Recipe, StepWork, Tally
-from retrograd.errors import NotBuiltError
+from retrograd.errors import ConfigError
 
 if TYPE_CHECKING:
     from retrograd.context import RunContext
@@ -26,7 +26,7 @@ RECIPES = {"sft": "sft:SFT", "grpo": "grpo:GRPO", "ppo": "ppo:PPO", "distill": "
 
 def recipe_for(name: str) -> Callable[[RunContext], Recipe]:
     if name not in RECIPES:
-        raise NotBuiltError(f"[run].algorithm = {name!r} is not built yet in this version")
+        raise ConfigError(f"[run].algorithm = {name!r}: expected one of {', '.join(RECIPES)}")
     module, cls = RECIPES[name].split(":")
     return getattr(importlib.import_module(f"retrograd.algorithms.{module}"), cls)
 
