@@ -87,7 +87,8 @@ rg_status rg_matmul_bench(int type, int64_t m, int64_t n, int64_t k, int n_threa
 static rg_status packed_kernel(int kernel, const char * what, int * out) {
     if (kernel == RG_KERNEL_GGML) return rg_fail(RG_ERR_ARG, "%s: ggml's product is no packed kernel", what);
     rg_matmul mm;
-    const int mode = kernel == RG_KERNEL_AVX2_F16 ? RG_MATMUL_F16 : kernel == RG_KERNEL_AUTO ? RG_MATMUL_AUTO : RG_MATMUL_BF16;
+    const int mode = kernel == RG_KERNEL_AVX2_F16 ? RG_MATMUL_F16
+                   : kernel == RG_KERNEL_AUTO     ? RG_MATMUL_AUTO : RG_MATMUL_BF16;
     const rg_status st = rg_matmul_decide(mode, kernel, &mm);
     if (st) return st;
     if (!rg_matmul_packed(&mm)) return rg_fail(RG_ERR_UNSUPPORTED, "%s: no packed kernel runs on this CPU", what);

@@ -80,7 +80,9 @@ rg_status rg_engine_set_attention(rg_engine * e, int mode) {
     return RG_OK;
 }
 
-rg_status rg_engine_set_recompute(rg_engine * e, int on) { return switch_value(on, "activation checkpointing", &e->recompute); }
+rg_status rg_engine_set_recompute(rg_engine * e, int on) {
+    return switch_value(on, "activation checkpointing", &e->recompute);
+}
 
 void rg_engine_get_timings(const rg_engine * e, rg_timings * out) { *out = e->timings; }
 

@@ -74,7 +74,8 @@ double rg_gemm_flops(const struct ggml_tensor * t) {
     if (a->ne[0] % (f16 ? RG_AVX2_MR : 2 * MR) != 0) return 0.0;
     const int64_t k = a->ne[0] / per_k;             /* padded to the layout's multiple already */
     /* the kernels whose weights have this type: avx2-f16, or the two BF16 ones */
-    const int kernels[2] = { f16 ? RG_KERNEL_AVX2_F16 : RG_KERNEL_AVX512_BF16, f16 ? RG_KERNEL_AVX2_F16 : RG_KERNEL_AMX_BF16 };
+    const int kernels[2] = { f16 ? RG_KERNEL_AVX2_F16 : RG_KERNEL_AVX512_BF16,
+                             f16 ? RG_KERNEL_AVX2_F16 : RG_KERNEL_AMX_BF16 };
     bool fits = false;
     for (int i = 0; i < 2; i++) {
         packed_shape ws, xs;
@@ -259,7 +260,8 @@ enum ggml_type rg_packed_weight_shape(const struct ggml_tensor * w, bool transpo
 
 bool rg_packed_weight_fits(const struct ggml_tensor * packed, const struct ggml_tensor * w, bool transposed, int kernel) {
     int64_t ne[2];
-    return rg_packed_weight_shape(w, transposed, kernel, ne) == packed->type && packed->ne[0] == ne[0] && packed->ne[1] == ne[1];
+    return rg_packed_weight_shape(w, transposed, kernel, ne) == packed->type && packed->ne[0] == ne[0] &&
+           packed->ne[1] == ne[1];
 }
 
 struct ggml_tensor * rg_pack_weight(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed, int kernel) {

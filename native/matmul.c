@@ -64,10 +64,13 @@ static enum ggml_type conv_type(int mode) {
 
 static rg_status check(int mode, int kernel) {
     if (mode < RG_MATMUL_AUTO || mode > RG_MATMUL_BF16) return rg_fail(RG_ERR_ARG, "unknown matmul mode %d", mode);
-    if (kernel < RG_KERNEL_AUTO || kernel > RG_KERNEL_AVX2_F16) return rg_fail(RG_ERR_ARG, "unknown matmul kernel %d", kernel);
+    if (kernel < RG_KERNEL_AUTO || kernel > RG_KERNEL_AVX2_F16) {
+        return rg_fail(RG_ERR_ARG, "unknown matmul kernel %d", kernel);
+    }
     const char * lacks = missing(kernel);
     if (lacks) {
-        return rg_fail(RG_ERR_UNSUPPORTED, "the %s kernel does not run on this CPU: it needs %s", kernel_name(kernel), lacks);
+        return rg_fail(RG_ERR_UNSUPPORTED, "the %s kernel does not run on this CPU: it needs %s", kernel_name(kernel),
+                       lacks);
     }
     return RG_OK;
 }

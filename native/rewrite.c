@@ -303,8 +303,8 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
             struct ggml_tensor * w = rg_base_weight_of(b->model, c);
             if (w && ggml_is_quantized(w->type) && c->type == b->matmul.conv_type && c->ne[0] == w->ne[0] &&
                 node->ne[0] == w->ne[1] && node->ne[2] == 1 && rg_pack_act_fits(x)) {
-                become(node, rg_gemm(ctx, packed_weight(&pw, ctx, b->model, w, false, kernel), packed_act(&pa, ctx, x, kernel),
-                                     node->ne[0], node->ne[1]));
+                become(node, rg_gemm(ctx, packed_weight(&pw, ctx, b->model, w, false, kernel),
+                                     packed_act(&pa, ctx, x, kernel), node->ne[0], node->ne[1]));
                 memo_keep(&fg, node, node);
                 continue;
             }
@@ -379,8 +379,8 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
             if (y->nb[0] != sizeof(float)) y = ggml_cont(ctx, y);
             if (rg_pack_act_fits(y) && y->ne[0] == w->ne[1] && node->ne[0] == w->ne[0] && node->ne[1] == y->ne[1] &&
                 node->ne[2] == 1) {
-                become(node, rg_gemm(ctx, packed_weight(&pwt, ctx, b->model, w, true, kernel), packed_act(&pa, ctx, y, kernel),
-                                     node->ne[0], node->ne[1]));
+                become(node, rg_gemm(ctx, packed_weight(&pwt, ctx, b->model, w, true, kernel),
+                                     packed_act(&pa, ctx, y, kernel), node->ne[0], node->ne[1]));
                 continue;
             }
         }

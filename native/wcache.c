@@ -6,12 +6,12 @@
  *
  * Where the graph multiplies through gemm.c (BF16 on CPUs with AVX512-BF16, F16 on other AVX2 CPUs,
  * or the kernel forced) the copies are packed for its kernel instead, by its own packing op, in that
- * kernel's type and layout (rg_packed_weight_shape). Which, is matmul.c's decision for the mode and
- * kernel the cache is made for, the one an engine with those settings takes. The base never changes, so the copies are made once and
- * stay valid; the op the graph would run makes them, so a graph that reads them computes bit for
- * bit what it computed before. Within a byte budget,
- * transposed copies come first (the backward's conversion is the dearer one), then forward ones, layer by
- * layer. CPU only: on another device the graph casts with ggml's own ops.
+ * kernel's type and layout (rg_packed_weight_shape). The kernel is matmul.c's decision for the mode and
+ * kernel the cache is made for: the one an engine with those settings takes. The base never
+ * changes, so the copies are made once and stay valid; the op the graph would run makes them, so a
+ * graph that reads them computes bit for bit what it computed before. Within a byte budget,
+ * transposed copies come first (the backward's conversion is the dearer one), then forward ones,
+ * layer by layer. CPU only: on another device the graph casts with ggml's own ops.
  */
 #include "rg_internal.h"
 

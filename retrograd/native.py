@@ -215,10 +215,10 @@ def matmul_kernel(matmul: str = "auto") -> str:
 def packed_kernels() -> list[str]:
     """The packed kernels this CPU runs (each can be forced by its name as a matmul mode)."""
     name = ffi.new("char **")
-    return [k for k, (mode, kernel) in ((k, MATMUL_ROUTES[k]) for k in PACKED_KERNELS)
-            if lib.rg_matmul_kernel(mode, kernel, name) == STATUS_OK]
+    return [k for k in PACKED_KERNELS if lib.rg_matmul_kernel(*MATMUL_ROUTES[k], name) == STATUS_OK]
 
 
+# ---- models -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelInfo:
     arch: str
