@@ -23,6 +23,7 @@
  * CPU only: another device keeps ggml's ops (graph.c's composite).
  */
 #include "rg_internal.h"
+#include "kernels.h"
 
 #include <math.h>
 #include <string.h>

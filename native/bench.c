@@ -10,11 +10,14 @@
  * oracle (rg_gemm_check), the tests' way in to it.
  */
 #include "rg_internal.h"
+#include "retrograd_test.h"
 
 #include "ggml-cpu.h"
 
 #include <stdlib.h>
 #include <string.h>
+
+const void * rg_ggml_init_address(void) { return (const void *) ggml_init; }
 
 /* values in [-1, 1): any will do, not zeros */
 static void fill(float * x, int64_t n) {
@@ -79,8 +82,23 @@ rg_status rg_matmul_bench(int type, int64_t m, int64_t n, int64_t k, int n_threa
     return st;
 }
 
-rg_status rg_gemm_bench(int64_t m, int64_t n, int64_t k, int n_threads, int reps, double * seconds_out) {
-    if (!rg_gemm_available()) return rg_fail(RG_ERR_ARG, "the packed product needs a CPU with AVX512-BF16 or AVX2 and F16C");
+/* the packed kernel a benchmark or check asked for (RG_KERNEL_AUTO: the CPU's own), decided as for an
+ * engine in the mode that converts to its type */
+static rg_status packed_kernel(int kernel, const char * what, int * out) {
+    if (kernel == RG_KERNEL_GGML) return rg_fail(RG_ERR_ARG, "%s: ggml's product is no packed kernel", what);
+    rg_matmul mm;
+    const int mode = kernel == RG_KERNEL_AVX2_F16 ? RG_MATMUL_F16
+                   : kernel == RG_KERNEL_AUTO     ? RG_MATMUL_AUTO : RG_MATMUL_BF16;
+    const rg_status st = rg_matmul_decide(mode, kernel, &mm);
+    if (st) return st;
+    if (!rg_matmul_packed(&mm)) return rg_fail(RG_ERR_UNSUPPORTED, "%s: no packed kernel runs on this CPU", what);
+    *out = mm.kernel;
+    return RG_OK;
+}
+
+rg_status rg_gemm_bench(int kernel, int64_t m, int64_t n, int64_t k, int n_threads, int reps, double * seconds_out) {
+    rg_status st = packed_kernel(kernel, "gemm bench", &kernel);
+    if (st) return st;
     if (m < 1 || n < 1 || k < 1 || n_threads < 1 || reps < 1) {
         return rg_fail(RG_ERR_ARG, "gemm bench: bad arguments (%lld x %lld x %lld, %d threads, %d reps)",
                        (long long) m, (long long) n, (long long) k, n_threads, reps);
@@ -96,11 +114,11 @@ rg_status rg_gemm_bench(int64_t m, int64_t n, int64_t k, int n_threads, int reps
     fill(w->data, k * m);
     fill(x->data, k * n);
     /* pack once; the timed graph multiplies plain copies, so only the product runs */
-    struct ggml_tensor * pw = rg_pack_weight(ctx, w, false), * px = rg_pack_act(ctx, x);
+    struct ggml_tensor * pw = rg_pack_weight(ctx, w, false, kernel), * px = rg_pack_act(ctx, x, kernel);
     struct ggml_cgraph * gp = ggml_new_graph(ctx);
     ggml_build_forward_expand(gp, pw);
     ggml_build_forward_expand(gp, px);
-    rg_status st = ggml_graph_compute_with_ctx(ctx, gp, n_threads) == GGML_STATUS_SUCCESS
+    st = ggml_graph_compute_with_ctx(ctx, gp, n_threads) == GGML_STATUS_SUCCESS
         ? RG_OK : rg_fail(RG_ERR_COMPUTE, "gemm bench: packing failed");
     if (st == RG_OK) {
         struct ggml_tensor * cw = ggml_dup_tensor(ctx, pw), * cx = ggml_dup_tensor(ctx, px);
@@ -115,10 +133,11 @@ rg_status rg_gemm_bench(int64_t m, int64_t n, int64_t k, int n_threads, int reps
 }
 
 /* ---- the packed product checked against an oracle ------------------------------------------- */
-rg_status rg_gemm_check(int type, const float * w, int64_t n_out, int64_t n_in, const float * x, int64_t n_tokens,
-                        int transposed, const float * v, const float * z, int rank, int n_threads, float * out,
-                        float * w_dequant) {
-    if (!rg_gemm_available()) return rg_fail(RG_ERR_ARG, "the packed product needs a CPU with AVX512-BF16 or AVX2 and F16C");
+rg_status rg_gemm_check(int kernel, int type, const float * w, int64_t n_out, int64_t n_in, const float * x,
+                        int64_t n_tokens, int transposed, const float * v, const float * z, int rank, int n_threads,
+                        float * out, float * w_dequant) {
+    const rg_status valid = packed_kernel(kernel, "gemm check", &kernel);
+    if (valid) return valid;
     if (type < 0 || type >= GGML_TYPE_COUNT || n_out < 1 || n_in < 1 || n_tokens < 1 || n_threads < 1) {
         return rg_fail(RG_ERR_ARG, "gemm check: bad arguments (type %d, %lld x %lld, %lld tokens, %d threads)", type,
                        (long long) n_out, (long long) n_in, (long long) n_tokens, n_threads);
@@ -148,7 +167,7 @@ rg_status rg_gemm_check(int type, const float * w, int64_t n_out, int64_t n_in, 
     struct ggml_tensor * xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n_tokens);
     ggml_set_name(xt, "x");
     memcpy(xt->data, x, sizeof(float) * (size_t) (k * n_tokens));
-    struct ggml_tensor * pw = rg_pack_weight(ctx, wq, transposed != 0), * px = rg_pack_act(ctx, xt), * y;
+    struct ggml_tensor * pw = rg_pack_weight(ctx, wq, transposed != 0, kernel), * px = rg_pack_act(ctx, xt, kernel), * y;
     if (rank > 0 && v && z) {
         struct ggml_tensor * vt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, rows, rank);
         struct ggml_tensor * zt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, rank, n_tokens);

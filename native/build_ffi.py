@@ -1,8 +1,9 @@
 """cffi builder for retrograd._native: compiles native/*.c against vendor/llama.cpp's headers and
 links them to the libggml* that llama-cpp-python installed, so the process holds one ggml.
 
-The cdef is the block of native/retrograd.h between RG_CDEF_BEGIN and RG_CDEF_END, plus the
-one Python callback the engine calls back into.
+The cdef is the block between RG_CDEF_BEGIN and RG_CDEF_END of native/retrograd.h (the ABI) and of
+native/retrograd_test.h (the entry points for tests and benchmarks), plus the one Python callback
+the engine calls back into.
 """
 
 from __future__ import annotations
@@ -33,11 +34,18 @@ def llama_cpp_lib_dir() -> Path:
     return lib
 
 
-def cdef_text() -> str:
-    header = (HERE / "retrograd.h").read_text()
+HEADERS = ("retrograd.h", "retrograd_test.h")
+
+
+def cdef_block(name: str) -> str:
+    header = (HERE / name).read_text()
     begin = header.index("/* RG_CDEF_BEGIN */") + len("/* RG_CDEF_BEGIN */")
     end = header.index("/* RG_CDEF_END */")
-    return header[begin:end] + """
+    return header[begin:end]
+
+
+def cdef_text() -> str:
+    return "".join(cdef_block(h) for h in HEADERS) + """
 extern "Python" int rg_py_coeff(void *, int32_t, const float *, const float *, float *,
                                 int32_t, int32_t, const float *, float *);
 """
@@ -56,7 +64,7 @@ def make_ffi() -> FFI:
         extra_compile = ["-O0", "-g", "-std=c11", "-D_GNU_SOURCE", "-Wall"]
     ffi.set_source(
         "retrograd._native",
-        '#include "retrograd.h"\n',
+        "".join(f'#include "{h}"\n' for h in HEADERS),
         sources=sources,
         include_dirs=[str(HERE), str(VENDOR / "ggml" / "include")],
         library_dirs=[str(lib)],

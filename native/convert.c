@@ -10,6 +10,7 @@
  * is a transient the allocator frees after its use.
  */
 #include "rg_internal.h"
+#include "kernels.h"
 
 #define RG_TILE 32    /* rows of the weight per tile */
 #define RG_SPAN 256   /* values of a row per pass: a multiple of every ggml block size */

@@ -1,7 +1,7 @@
 /*
- * engine_impl.h - what engine.c shares with recompute.c (activation checkpointing): the engine's
- * state, a training micro-batch's run state, and the steps of preparing a micro-batch. Private to
- * the two files; the C ABI is retrograd.h.
+ * engine_impl.h - the engine's state, a training micro-batch's run state, and the steps of
+ * preparing a micro-batch (microbatch.c), shared by engine.c, microbatch.c, recompute.c (activation
+ * checkpointing) and preflight.c. Private to those files; the C ABI is retrograd.h.
  */
 #ifndef RG_ENGINE_IMPL_H
 #define RG_ENGINE_IMPL_H
@@ -13,14 +13,13 @@ struct rg_engine {
     ggml_backend_sched_t sched;
     ggml_gallocr_t       opt_galloc;
     rg_head            * head;
-    size_t               head_budget;
     void               * ctx_mem;
     size_t               ctx_mem_size;
     size_t               graph_size;
     bool                 exact_ops;
     bool                 dense_attention;   /* rg_engine_set_attention */
     bool                 recompute;   /* activation checkpointing (recompute.c) */
-    int                  matmul_mode;
+    rg_matmul            matmul;      /* rg_engine_set_matmul, decided once (matmul.c) */
     bool                 profiling;
     rg_profile           prof;
     double               prof_last;
@@ -34,6 +33,9 @@ struct rg_engine {
     int                  slow_count[8];
     rg_timings           timings;
 };
+
+/* the LM head's softmax store at most (beyond it the head recomputes the softmax in its backward) */
+#define RG_HEAD_BUDGET ((size_t) 512 << 20)
 
 /* state of one accumulate() call, visible to the eval callback */
 typedef struct {
@@ -81,6 +83,11 @@ enum {
                               * (an output): activation checkpointing's first pass */
 };
 
+/* the graph of a micro-batch of n_tokens rows (padded) of that kind, built but not allocated */
+rg_status rg_engine_build(rg_engine * e, rg_lora * lora, int32_t n_tokens, int kind, bool noise, bool dropout,
+                          rg_built * o);
+/* A checked, padded batch with its graph built and allocated and its inputs set; on failure nothing
+ * is left to release. */
 rg_status rg_engine_prepare(rg_engine * e, rg_lora * lora, const rg_batch * batch, int kind, rg_prepared * p);
 void      rg_engine_release(rg_engine * e, rg_prepared * p);
 bool      rg_engine_on_node(struct ggml_tensor * t, bool ask, void * user);
@@ -88,8 +95,5 @@ struct ggml_tensor * rg_engine_grad_of_param(const rg_lora * l, const struct ggm
 /* the micro-batch's gradient with each layer's activations recomputed in the backward (recompute.c) */
 rg_status rg_engine_accumulate_recompute(rg_engine * e, rg_lora * lora, const rg_batch * batch, rg_coeff_fn fn,
                                          void * user, int want_entropy, int want_hidden, float * logp_out);
-
-/* preflight.c: the slow paths of a built training graph, kept in the engine */
-void rg_preflight_slow_paths(rg_engine * e, struct ggml_cgraph * gf);
 
 #endif

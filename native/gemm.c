@@ -1,6 +1,6 @@
 /*
- * gemm.c - the frozen weights' 16-bit products through packed operands: the choice of kernel, the
- * packed layouts, and the BF16 kernel for CPUs with AVX512-BF16 (F16 on AVX2: gemm_avx2.c).
+ * gemm.c - the frozen weights' 16-bit products through packed operands: the packed layouts of each
+ * kernel, the graph ops that pack and multiply, and the BF16 kernel for CPUs with AVX512-BF16 (F16 on AVX2: gemm_avx2.c).
  *
  * ggml's BF16 product (llamafile's tinyBLAS) clears each 4 x 6 block of accumulators through a
  * memset on the stack and reads it back before every block. On the thin products of a training
@@ -22,9 +22,11 @@
  * activations packed row-major for them; k is padded to 32 in every packing so both kernels read
  * one weight layout (and one weight cache). On x86 CPUs without AVX512-BF16, gemm_avx2.c multiplies
  * F16 weights by F32 activations in the same way, where the graph would otherwise convert to F16 for
- * ggml's product. The kernel is chosen here (kernel()) and the packed layouts follow it (layout()).
+ * ggml's product. Which kernel runs is matmul.c's decision, made once per engine; the packed layouts
+ * follow it (layout()), and the product follows the layouts (product_of()).
  */
 #include "rg_internal.h"
+#include "kernels.h"
 
 #include "ggml-cpu.h"
 
@@ -39,43 +41,6 @@ static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 /* k pairs of a packed operand: padded to 16, one AMX tile's depth, so both kernels share the weights */
 static int64_t kpairs(int64_t k) { return 16 * cdiv(cdiv(k, 2), 16); }
 
-enum { KERNEL_NONE, KERNEL_AVX512, KERNEL_AMX, KERNEL_AVX2_F16 };
-
-/* read at every graph build, so a test can compare the routes in one process: RETRO_PACKED_GEMM=0
- * keeps ggml's product, =avx512 keeps AVX512-BF16 on a CPU with AMX, =avx2 runs the F16 kernel even
- * where a BF16 one would run (to measure or test it there). ggml says what it was compiled for, the
- * CPU what it runs: both must have the BF16 instruction, as rg_conv_type asks ggml alone. */
-static int kernel(void) {
-#if defined(__x86_64__) && defined(__GNUC__)
-    const char * env = getenv("RETRO_PACKED_GEMM");
-    if (env && strcmp(env, "0") == 0) return KERNEL_NONE;
-    const int avx2 = rg_avx2_ready() ? KERNEL_AVX2_F16 : KERNEL_NONE;
-    if (env && strcmp(env, "avx2") == 0) return avx2;
-    __builtin_cpu_init();
-    if (!ggml_cpu_has_avx512_bf16() || !__builtin_cpu_supports("avx512bf16")) return avx2;
-    if (env && strcmp(env, "avx512") == 0) return KERNEL_AVX512;
-    return rg_amx_ready() ? KERNEL_AMX : KERNEL_AVX512;
-#else
-    return KERNEL_NONE;
-#endif
-}
-
-int rg_gemm_available(void) { return kernel() != KERNEL_NONE; }
-
-const char * rg_gemm_kernel(void) {
-    static const char * names[] = { "none", "avx512-bf16", "amx-bf16", "avx2-f16" };
-    return names[kernel()];
-}
-
-/* the converted type the kernel replaces: the BF16 kernels a mode's BF16 copies, avx2-f16 its F16 ones */
-bool rg_gemm_for_mode(int matmul_mode) {
-    const int kern = kernel();
-    if (kern == KERNEL_NONE) return false;
-    const bool f16 = kern == KERNEL_AVX2_F16;
-    return (matmul_mode == (f16 ? RG_MATMUL_F16 : RG_MATMUL_BF16) || matmul_mode == RG_MATMUL_AUTO) &&
-           rg_conv_type(matmul_mode) == (f16 ? GGML_TYPE_F16 : GGML_TYPE_BF16);
-}
-
 /* The packed operands of a kernel, in one place: type and shape of a weight of rows x k and of
  * activations of k x T. The BF16 kernels share the weight's layout; avx2-f16 packs F16 weights and
  * F32 activations, k unpadded (gemm_avx2.c). */
@@ -85,14 +50,14 @@ typedef struct {
 } packed_shape;
 
 static void layout(int kern, int64_t rows, int64_t k, int64_t T, packed_shape * w, packed_shape * x) {
-    if (kern == KERNEL_AVX2_F16) {
+    if (kern == RG_KERNEL_AVX2_F16) {
         *w = (packed_shape) { GGML_TYPE_F16, { RG_AVX2_MR * k, cdiv(rows, RG_AVX2_MR) } };
         *x = (packed_shape) { GGML_TYPE_F32, { RG_AVX2_NR * k, cdiv(T, RG_AVX2_NR) } };
         return;
     }
     const int64_t kp = kpairs(k);
     *w = (packed_shape) { GGML_TYPE_BF16, { 2 * MR * kp, cdiv(rows, MR) } };
-    *x = kern == KERNEL_AMX ? (packed_shape) { GGML_TYPE_BF16, { 2 * kp, 32 * cdiv(T, 32) } }
+    *x = kern == RG_KERNEL_AMX_BF16 ? (packed_shape) { GGML_TYPE_BF16, { 2 * kp, 32 * cdiv(T, 32) } }
                             : (packed_shape) { GGML_TYPE_BF16, { 2 * NR * kp, cdiv(T, NR) } };
 }
 
@@ -100,7 +65,7 @@ static bool has_shape(const struct ggml_tensor * t, const packed_shape * s) {
     return t->type == s->type && t->ne[0] == s->ne[0] && t->ne[1] == s->ne[1];
 }
 
-/* from the node's operands, not the kernel now: a profile may outlive an RETRO_PACKED_GEMM change */
+/* from the node's operands alone: one profile may hold the products of engines with other kernels */
 double rg_gemm_flops(const struct ggml_tensor * t) {
     if (t->op != GGML_OP_CUSTOM || !t->src[0] || !t->src[1]) return 0.0;
     const struct ggml_tensor * a = t->src[0], * b = t->src[1], * v = t->src[2], * z = t->src[3];
@@ -108,10 +73,13 @@ double rg_gemm_flops(const struct ggml_tensor * t) {
     const int64_t per_k = f16 ? RG_AVX2_MR : MR;    /* values of a packed weight's row per k value */
     if (a->ne[0] % (f16 ? RG_AVX2_MR : 2 * MR) != 0) return 0.0;
     const int64_t k = a->ne[0] / per_k;             /* padded to the layout's multiple already */
+    /* the kernels whose weights have this type: avx2-f16, or the two BF16 ones */
+    const int kernels[2] = { f16 ? RG_KERNEL_AVX2_F16 : RG_KERNEL_AVX512_BF16,
+                             f16 ? RG_KERNEL_AVX2_F16 : RG_KERNEL_AMX_BF16 };
     bool fits = false;
-    for (int kern = f16 ? KERNEL_AVX2_F16 : KERNEL_AVX512; kern <= (f16 ? KERNEL_AVX2_F16 : KERNEL_AMX); kern++) {
+    for (int i = 0; i < 2; i++) {
         packed_shape ws, xs;
-        layout(kern, t->ne[0], k, t->ne[1], &ws, &xs);
+        layout(kernels[i], t->ne[0], k, t->ne[1], &ws, &xs);
         fits |= has_shape(a, &ws) && has_shape(b, &xs);
     }
     if (!fits) return 0.0;
@@ -282,22 +250,23 @@ static void pack_weight(struct ggml_tensor * dst, int ith, int nth, void * userd
     }
 }
 
-enum ggml_type rg_packed_weight_shape(const struct ggml_tensor * w, bool transposed, int64_t ne[2]) {
+enum ggml_type rg_packed_weight_shape(const struct ggml_tensor * w, bool transposed, int kernel, int64_t ne[2]) {
     packed_shape ws, xs;
-    layout(kernel(), transposed ? w->ne[0] : w->ne[1], transposed ? w->ne[1] : w->ne[0], 1, &ws, &xs);
+    layout(kernel, transposed ? w->ne[0] : w->ne[1], transposed ? w->ne[1] : w->ne[0], 1, &ws, &xs);
     ne[0] = ws.ne[0];
     ne[1] = ws.ne[1];
     return ws.type;
 }
 
-bool rg_packed_weight_current(const struct ggml_tensor * packed, const struct ggml_tensor * w, bool transposed) {
+bool rg_packed_weight_fits(const struct ggml_tensor * packed, const struct ggml_tensor * w, bool transposed, int kernel) {
     int64_t ne[2];
-    return rg_packed_weight_shape(w, transposed, ne) == packed->type && packed->ne[0] == ne[0] && packed->ne[1] == ne[1];
+    return rg_packed_weight_shape(w, transposed, kernel, ne) == packed->type && packed->ne[0] == ne[0] &&
+           packed->ne[1] == ne[1];
 }
 
-struct ggml_tensor * rg_pack_weight(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed) {
+struct ggml_tensor * rg_pack_weight(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed, int kernel) {
     int64_t ne[2];
-    const enum ggml_type type = rg_packed_weight_shape(w, transposed, ne);
+    const enum ggml_type type = rg_packed_weight_shape(w, transposed, kernel, ne);
     struct ggml_tensor * args[1] = { w };
     struct ggml_tensor * t = ggml_custom_4d(ctx, type, ne[0], ne[1], 1, 1, args, 1,
                                             type == GGML_TYPE_F16 ? rg_avx2_pack_weight : pack_weight,
@@ -409,7 +378,7 @@ static void gemm(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
 }
 #else
-/* never built: rg_gemm_available() is false */
+/* never built: no packed kernel runs off x86 (matmul.c) */
 static void pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata) { (void) dst; (void) ith; (void) nth; (void) userdata; }
 static void gemm(struct ggml_tensor * dst, int ith, int nth, void * userdata) { (void) dst; (void) ith; (void) nth; (void) userdata; }
 #endif
@@ -420,14 +389,13 @@ bool rg_pack_act_fits(const struct ggml_tensor * x) {
 }
 
 /* the kernel is chosen here, by the activations' layout, and the product follows it */
-struct ggml_tensor * rg_pack_act(struct ggml_context * ctx, struct ggml_tensor * x) {
+struct ggml_tensor * rg_pack_act(struct ggml_context * ctx, struct ggml_tensor * x, int kern) {
     struct ggml_tensor * args[1] = { x };
-    const int kern = kernel();
     packed_shape ws, xs;
     layout(kern, 1, x->ne[0], x->ne[1], &ws, &xs);
     struct ggml_tensor * t = ggml_custom_4d(ctx, xs.type, xs.ne[0], xs.ne[1], 1, 1, args, 1,
-                                            kern == KERNEL_AMX ? rg_amx_pack_act
-                                            : kern == KERNEL_AVX2_F16 ? rg_avx2_pack_act : pack_act,
+                                            kern == RG_KERNEL_AMX_BF16 ? rg_amx_pack_act
+                                            : kern == RG_KERNEL_AVX2_F16 ? rg_avx2_pack_act : pack_act,
                                             GGML_N_TASKS_MAX, NULL);
     ggml_format_name(t, "%s (%s, packed)", x->name, ggml_type_name(xs.type));
     return t;

@@ -18,6 +18,7 @@
  * CPUs (generation/llama.py, extra_buffers_safe).
  */
 #include "rg_internal.h"
+#include "kernels.h"
 
 #include <string.h>
 

@@ -22,6 +22,7 @@
  * edges are cut when stored (masked stores). k needs no padding: one step is one k value.
  */
 #include "rg_internal.h"
+#include "kernels.h"
 
 #include <string.h>
 

@@ -63,10 +63,10 @@ static struct ggml_tensor * linear(rg_graph_build * b, int il, int t, struct ggm
     struct ggml_context * ctx = b->ctx;
     struct ggml_tensor * w = b->model->layers[il].w[t];
     struct ggml_tensor * wq = w;          /* W as the products read it */
-    if (b->matmul_mode == RG_MATMUL_F32 && w->type != GGML_TYPE_F32) {
+    if (b->matmul.mode == RG_MATMUL_F32 && w->type != GGML_TYPE_F32) {
         wq = ggml_cast(ctx, w, GGML_TYPE_F32);
-    } else if (b->on_cpu && rg_use_converted_matmul(w->type, b->matmul_mode)) {
-        const enum ggml_type ct = rg_conv_type(b->matmul_mode);
+    } else if (b->on_cpu && rg_matmul_converts(&b->matmul, w->type)) {
+        const enum ggml_type ct = b->matmul.conv_type;
         wq = rg_model_cached(b->model, w, false, ct);
         if (!wq) wq = rg_dequant(ctx, w, false, ct);
     }
@@ -79,7 +79,7 @@ static struct ggml_tensor * linear(rg_graph_build * b, int il, int t, struct ggm
             CHECK_SHAPE(b, xa, x->ne[0], x->ne[1], 1, "lora dropout");
         }
         struct ggml_tensor * ax = named(ggml_mul_mat(ctx, pr->a.t[RG_SLOT_PARAM], xa), "lora_ax", il);
-        if (b->matmul_mode == RG_MATMUL_NATIVE) {
+        if (b->matmul.mode == RG_MATMUL_NATIVE) {
             /* llama.cpp's order, for bit-equal log-probs */
             y = ggml_add(ctx, y, ggml_scale(ctx, ggml_mul_mat(ctx, pr->b.t[RG_SLOT_PARAM], ax), b->lora->scale));
         } else {
@@ -146,7 +146,7 @@ static struct ggml_tensor * attention(rg_graph_build * b, int il, struct ggml_te
      * generic loop on the CPU). The native mode keeps llama.cpp's own route: its promise is
      * bit-equal log-probs, and a last-bit change in the scores moves some activations across a
      * rounding step of the quantized kernels (a 0.03 mean |diff| in log-prob, docs/numerics.md) */
-    if (b->matmul_mode != RG_MATMUL_NATIVE) q = ggml_cont(ctx, q);
+    if (b->matmul.mode != RG_MATMUL_NATIVE) q = ggml_cont(ctx, q);
     k = ggml_permute(ctx, k, 0, 2, 1, 3);                       /* [hd, T, n_kv] */
     struct ggml_tensor * kq = ggml_mul_mat(ctx, k, q);          /* [T_k, T_q, n_head] */
     rg_attn_nodes * A = &b->attn[il];
@@ -189,23 +189,6 @@ static struct ggml_tensor * ffn(rg_graph_build * b, int il, struct ggml_tensor *
         b->n_subst++;
     }
     return linear(b, il, RG_TARGET_DOWN, named(act, "ffn_act", il), NULL);
-}
-
-bool rg_use_converted_matmul(enum ggml_type type, int mode) {
-    if (mode == RG_MATMUL_NATIVE || mode == RG_MATMUL_F32 || !ggml_is_quantized(type)) return false;
-    if (mode == RG_MATMUL_F16 || mode == RG_MATMUL_BF16) return true;
-    /* measured on AVX2 (scripts/bench_matmul.py): Q8_0 and Q4_0 have fast native kernels */
-    return type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q4_0;
-}
-
-enum ggml_type rg_conv_type(int mode) {
-    if (mode == RG_MATMUL_BF16) return GGML_TYPE_BF16;
-    if (mode == RG_MATMUL_AUTO && ggml_cpu_has_avx512_bf16()) return GGML_TYPE_BF16;
-    return GGML_TYPE_F16;
-}
-
-const char * rg_matmul_conv_type(int mode) {
-    return mode == RG_MATMUL_F32 ? "f32" : ggml_type_name(rg_conv_type(mode));
 }
 
 /* the inputs every layer reads: positions, attention masks, LoRA dropout's seed */

@@ -47,13 +47,14 @@ struct rg_head {
     int32_t             * col_of_target;   /* column in rows[] of each target */
     int                   cap_rows, cap_targets;
     int                   chunk;           /* columns per chunk */
-    /* both from the engine's matmul mode: F32 transposed W_out in phase B (the exact mode of the
-     * finite-difference tests), otherwise W_out slices converted to conv_type (F16 or BF16) */
+    /* the engine's decision (rg_head_set_matmul): exact (F32 mode) multiplies by an F32 transposed
+     * W_out in phase B (the finite-difference tests), the others by W_out slices converted to
+     * mm.conv_type (F16 or BF16), or through mm.kernel where that is a packed kernel */
+    rg_matmul             mm;
     bool                  exact;
-    enum ggml_type        conv_type;
-    int                   mode;
     /* W_out packed for gemm.c as stored, made by the first forward that multiplies through it and
-     * kept, as the base never changes (V x n_embd 16-bit values: 54 MiB on the default model) */
+     * kept, as the base never changes (V x n_embd 16-bit values: 54 MiB on the default model); packed
+     * again only for an engine whose kernel reads another layout */
     struct ggml_context * wpack_ctx;
     ggml_backend_buffer_t wpack_buf;
     struct ggml_tensor  * wpack;
@@ -64,7 +65,9 @@ rg_head * rg_head_new(rg_model * model) {
     rg_head * h = rg_calloc(1, sizeof(*h), "the LM head");
     if (!h) return NULL;
     h->model = model;
-    rg_head_set_matmul_mode(h, RG_MATMUL_AUTO);
+    rg_matmul mm;
+    rg_matmul_decide(RG_MATMUL_AUTO, RG_KERNEL_AUTO, &mm);    /* the default, always valid */
+    rg_head_set_matmul(h, &mm);
     h->backend = model->backend == model->backend_cpu ? model->backend : ggml_backend_dev_init(model->dev, NULL);
     h->galloc = h->backend ? ggml_gallocr_new(ggml_backend_get_default_buffer_type(model->backend)) : NULL;
     if (!h->galloc) {
@@ -95,18 +98,17 @@ static void free_wpack(rg_head * h) {
 }
 
 /* whether the head's products go through gemm.c: a quantized W_out (an F32 or F16 one keeps ggml's
- * product, which rounds nothing or less) on the CPU, in a mode whose converted products gemm.c's
- * kernel runs (BF16 ones on an AVX512-BF16 CPU, F16 ones on AVX2: rg_gemm_for_mode), asked at each
- * use like the training graph, so RETRO_PACKED_GEMM=0 compares both in one process */
+ * product, which rounds nothing or less) on the CPU, where the engine's decision names a packed
+ * kernel (BF16 ones on an AVX512-BF16 CPU, F16 ones on AVX2, or the one forced) */
 static bool packed_route(const rg_head * h) {
     return !h->exact && ggml_is_quantized(h->model->output->type) && h->model->backend == h->model->backend_cpu &&
-           rg_gemm_for_mode(h->mode);
+           rg_matmul_packed(&h->mm);
 }
 
 /* the packing op's own output is the kept tensor: no transient copy of W_out */
 static rg_status ensure_wpack(rg_head * h) {
-    if (h->wpack && rg_packed_weight_current(h->wpack, h->model->output, false)) return RG_OK;
-    free_wpack(h);      /* none yet, or packed for another kernel (RETRO_PACKED_GEMM changed since) */
+    if (h->wpack && rg_packed_weight_fits(h->wpack, h->model->output, false, h->mm.kernel)) return RG_OK;
+    free_wpack(h);      /* none yet, or packed for another kernel (the engine's setting changed since) */
     const size_t meta = ggml_tensor_overhead() * 4 + ggml_graph_overhead_custom(4, false);
     struct ggml_init_params ip = { meta, NULL, true };
     h->wpack_ctx = ggml_init(ip);
@@ -115,7 +117,7 @@ static rg_status ensure_wpack(rg_head * h) {
     if (!h->wpack_ctx || !gctx) {
         st = rg_fail(RG_ERR_NOMEM, "out of host memory for the LM head's packed W_out");
     } else {
-        h->wpack = rg_pack_weight(h->wpack_ctx, h->model->output, false);
+        h->wpack = rg_pack_weight(h->wpack_ctx, h->model->output, false, h->mm.kernel);
         h->wpack_buf = ggml_backend_alloc_ctx_tensors_from_buft(h->wpack_ctx, ggml_backend_cpu_buffer_type());
         if (!h->wpack_buf) {
             st = rg_fail(RG_ERR_NOMEM, "could not allocate the LM head's packed W_out (%.0f MiB)",
@@ -144,10 +146,9 @@ void rg_head_free(rg_head * h) {
     free(h);
 }
 
-void rg_head_set_matmul_mode(rg_head * h, int mode) {
-    h->exact = mode == RG_MATMUL_F32;
-    h->conv_type = rg_conv_type(mode);
-    h->mode = mode;
+void rg_head_set_matmul(rg_head * h, const rg_matmul * mm) {
+    h->mm = *mm;
+    h->exact = mm->mode == RG_MATMUL_F32;
 }
 
 double rg_head_ms(rg_head * h, bool reset) {
@@ -168,7 +169,7 @@ static rg_status ensure_store(rg_head * h, int cols) {
         h->store_ctx, ggml_backend_get_default_buffer_type(h->model->backend));
     if (!h->store_buf) {
         free_store(h);
-        return rg_fail(RG_ERR_COMPUTE, "could not allocate the LM head softmax store (%d rows)", cols);
+        return rg_fail(RG_ERR_NOMEM, "could not allocate the LM head softmax store (%d rows)", cols);
     }
     h->store_cap = cols;
     return RG_OK;
@@ -214,7 +215,7 @@ static rg_status select_rows(rg_head * h, const rg_batch * batch) {
 }
 
 static rg_status compute(rg_head * h, struct ggml_cgraph * gf) {
-    if (!ggml_gallocr_alloc_graph(h->galloc, gf)) return rg_fail(RG_ERR_COMPUTE, "LM head: graph allocation failed");
+    if (!ggml_gallocr_alloc_graph(h->galloc, gf)) return rg_fail(RG_ERR_NOMEM, "could not allocate the LM head's graph");
     return RG_OK;
 }
 
@@ -252,7 +253,7 @@ static struct ggml_tensor * chunk_logits(rg_head * h, struct ggml_context * ctx,
     /* exact mode: no rounding of activations anywhere, so the head is smooth too */
     if (h->exact && w->type != GGML_TYPE_F32) w = ggml_cast(ctx, w, GGML_TYPE_F32);
     struct ggml_tensor * logits = h->wpack && packed_route(h) && rg_pack_act_fits(hs)
-        ? rg_gemm(ctx, h->wpack, rg_pack_act(ctx, hs), w->ne[1], n)
+        ? rg_gemm(ctx, h->wpack, rg_pack_act(ctx, hs, h->mm.kernel), w->ne[1], n)
         : ggml_mul_mat(ctx, w, hs);
     ggml_set_name(logits, "head_logits");
     return logits;
@@ -394,10 +395,11 @@ static struct ggml_tensor * head_transpose_product(rg_head * h, struct ggml_cont
         struct ggml_tensor * ds = ggml_view_2d(ctx, d, nv, d->ne[1], d->nb[1], (size_t) v0 * sizeof(float));
         struct ggml_tensor * part;   /* [n_embd, n] */
         if (packed && rg_pack_act_fits(ds)) {
-            part = rg_gemm(ctx, rg_pack_weight(ctx, ws, true), rg_pack_act(ctx, ds), w->ne[0], d->ne[1]);
+            part = rg_gemm(ctx, rg_pack_weight(ctx, ws, true, h->mm.kernel), rg_pack_act(ctx, ds, h->mm.kernel), w->ne[0],
+                           d->ne[1]);
         } else {
             struct ggml_tensor * wt = f32 ? ggml_cont(ctx, ggml_transpose(ctx, ggml_cast(ctx, ws, GGML_TYPE_F32)))
-                                          : rg_dequant(ctx, ws, true, h->conv_type);   /* [nv, n_embd] */
+                                          : rg_dequant(ctx, ws, true, h->mm.conv_type);   /* [nv, n_embd] */
             part = ggml_mul_mat(ctx, wt, ds);
         }
         acc = acc ? ggml_add(ctx, acc, part) : part;

@@ -191,7 +191,7 @@ rg_status rg_lora_init(rg_model * m, uint32_t target_mask, int rank, float alpha
     }
     if (!l->buf_param || !l->buf_grad || !l->buf_moments || (variant == RG_LORA_DORA && !l->buf_const)) {
         rg_lora_free(l);
-        return rg_fail(RG_ERR_DEVICE, "could not allocate LoRA tensors on %s", ggml_backend_dev_name(m->dev));
+        return rg_fail(RG_ERR_NOMEM, "could not allocate LoRA tensors on %s", ggml_backend_dev_name(m->dev));
     }
     for (int slot = 0; slot < 4; slot++) rg_lora_zero(l, slot);
     for (int i = 0; i < rg_lora_tensor_count(l); i++) ggml_set_param(rg_lora_slots(l, i)->t[RG_SLOT_PARAM]);
@@ -222,8 +222,6 @@ void rg_lora_free(rg_lora * l) {
 int rg_lora_tensor_count(const rg_lora * l) { return l->per_pair * l->n_pairs; }
 
 float rg_lora_scale(const rg_lora * l) { return l->scale; }
-
-int rg_lora_variant(const rg_lora * l) { return l->variant; }
 
 rg_lora_slotset * rg_lora_slots(const rg_lora * l, int index) {
     rg_lora_pair * pr = &l->pairs[index / l->per_pair];

@@ -1,5 +1,5 @@
 /*
- * model.c - devices, errors, and loading a GGUF model with its weights in their stored types.
+ * model.c - devices, and loading a GGUF model with its weights in their stored types.
  *
  * On the CPU the file is memory-mapped and the tensors point into the mapping, so a quantized
  * model costs its file size in page cache and nothing more; on other devices the tensor data
@@ -10,53 +10,18 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
-/* errors ---------------------------------------------------------------------------------- */
-static __thread char g_error[1024];
-
-const char * rg_last_error(void) { return g_error; }
-
-const void * rg_ggml_init_address(void) { return (const void *) ggml_init; }
-
-rg_status rg_fail(rg_status status, const char * fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(g_error, sizeof(g_error), fmt, ap);
-    va_end(ap);
-    return status;
-}
-
-void * rg_malloc(size_t bytes, const char * what) {
-    void * p = malloc(bytes ? bytes : 1);
-    if (!p) rg_fail(RG_ERR_NOMEM, "out of host memory: %zu bytes for %s", bytes, what);
-    return p;
-}
-
-void * rg_calloc(size_t n, size_t size, const char * what) {
-    void * p = calloc(n ? n : 1, size ? size : 1);
-    if (!p) rg_fail(RG_ERR_NOMEM, "out of host memory: %zu x %zu bytes for %s", n, size, what);
-    return p;
-}
-
-double rg_now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
-
-bool rg_backend_is_host(ggml_backend_t backend) {
+/* devices --------------------------------------------------------------------------------- */
+static bool backend_is_host(ggml_backend_t backend) {
     return ggml_backend_dev_type(ggml_backend_get_device(backend)) == GGML_BACKEND_DEVICE_TYPE_CPU;
 }
 
-/* devices --------------------------------------------------------------------------------- */
 static int to_rg_device_type(enum ggml_backend_dev_type t) {
     switch (t) {
         case GGML_BACKEND_DEVICE_TYPE_CPU:  return RG_DEVICE_CPU;
@@ -377,7 +342,7 @@ static rg_status load_data(rg_model * m, const char * path) {
         m->n_params += ggml_nelements(t);
     }
 
-    if (rg_backend_is_host(m->backend)) {
+    if (backend_is_host(m->backend)) {
         void * addr = mmap(NULL, file_size, PROT_READ, MAP_SHARED, fd, 0);
         close(fd);
         if (addr == MAP_FAILED) return rg_fail(RG_ERR_IO, "%s: mmap failed: %s", path, strerror(errno));
@@ -397,7 +362,7 @@ static rg_status load_data(rg_model * m, const char * path) {
     }
 
     m->wbuf = ggml_backend_alloc_ctx_tensors_from_buft(m->wctx, ggml_backend_dev_buffer_type(m->dev));
-    if (!m->wbuf) { close(fd); return rg_fail(RG_ERR_DEVICE, "%s: could not allocate the weights on %s", path, ggml_backend_dev_name(m->dev)); }
+    if (!m->wbuf) { close(fd); return rg_fail(RG_ERR_NOMEM, "%s: could not allocate the weights on %s", path, ggml_backend_dev_name(m->dev)); }
     ggml_backend_buffer_set_usage(m->wbuf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     size_t cap = 0;
     void * staging = NULL;
@@ -415,6 +380,16 @@ static rg_status load_data(rg_model * m, const char * path) {
     return RG_OK;
 }
 
+/* n_threads <= 0: every online core */
+static void set_threads(rg_model * m, int n_threads) {
+    if (n_threads <= 0) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        n_threads = n > 0 ? (int) n : 1;
+    }
+    m->n_threads = n_threads;
+    ggml_backend_cpu_set_n_threads(m->backend_cpu, n_threads);
+}
+
 rg_status rg_model_init(const char * path, int device_index, int n_threads, rg_model ** out) {
     *out = NULL;
     if (!path) return rg_fail(RG_ERR_ARG, "no model path");
@@ -424,6 +399,7 @@ rg_status rg_model_init(const char * path, int device_index, int n_threads, rg_m
     }
     rg_model * m = rg_calloc(1, sizeof(*m), "the model");
     if (!m) return RG_ERR_NOMEM;
+    m->cache_kernel = RG_KERNEL_GGML;     /* no weight cache yet (wcache.c) */
     struct gguf_init_params gp = { .no_alloc = true, .ctx = &m->wctx };
     m->gguf = gguf_init_from_file(path, gp);
     if (!m->gguf) {
@@ -439,7 +415,7 @@ rg_status rg_model_init(const char * path, int device_index, int n_threads, rg_m
         if (!m->backend) st = rg_fail(RG_ERR_DEVICE, "could not initialise device %s", ggml_backend_dev_name(m->dev));
     }
     if (st == RG_OK) {
-        if (rg_backend_is_host(m->backend)) {
+        if (backend_is_host(m->backend)) {
             m->backend_cpu = m->backend;
         } else {
             m->backend_cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, NULL);
@@ -447,7 +423,7 @@ rg_status rg_model_init(const char * path, int device_index, int n_threads, rg_m
         }
     }
     if (st == RG_OK) st = load_data(m, path);
-    if (st == RG_OK) st = rg_model_set_threads(m, n_threads);
+    if (st == RG_OK) set_threads(m, n_threads);
     if (st != RG_OK) {
         rg_model_free(m);
         return st;
@@ -466,16 +442,6 @@ void rg_model_free(rg_model * m) {
     if (m->wctx) ggml_free(m->wctx);
     if (m->gguf) gguf_free(m->gguf);
     free(m);
-}
-
-rg_status rg_model_set_threads(rg_model * m, int n_threads) {
-    if (n_threads <= 0) {
-        long n = sysconf(_SC_NPROCESSORS_ONLN);
-        n_threads = n > 0 ? (int) n : 1;
-    }
-    m->n_threads = n_threads;
-    ggml_backend_cpu_set_n_threads(m->backend_cpu, n_threads);
-    return RG_OK;
 }
 
 void rg_model_get_info(const rg_model * m, rg_model_info * out) {
@@ -508,15 +474,5 @@ rg_status rg_model_tensor_info(const rg_model * m, int index, const char ** name
     *name = t->name;
     *type_name = ggml_type_name(t->type);
     for (int i = 0; i < 4; i++) ne[i] = t->ne[i];
-    return RG_OK;
-}
-
-rg_status rg_model_target_dims(const rg_model * m, int layer, int target, int64_t * n_in, int64_t * n_out) {
-    if (layer < 0 || layer >= m->hp.n_layer || target < 0 || target >= RG_N_TARGETS) {
-        return rg_fail(RG_ERR_ARG, "no target %d in layer %d", target, layer);
-    }
-    const struct ggml_tensor * w = m->layers[layer].w[target];
-    *n_in = w->ne[0];
-    *n_out = w->ne[1];
     return RG_OK;
 }

@@ -19,6 +19,7 @@
  * The profile that led here is in docs/benchmarks.md.
  */
 #include "rg_internal.h"
+#include "kernels.h"
 
 #include <string.h>
 

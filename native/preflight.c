@@ -1,8 +1,9 @@
 /*
- * preflight.c - the slow paths of a built training graph: nodes the device runs, but through a
- * route known to cost more than the CPU build's (the CPU-only kernels of convert.c and outer.c
- * are not available there, or a mode asks for F32), each with the reason. rg_engine_preflight
- * (engine.c) builds the graph and calls this after counting the ops that fall back.
+ * preflight.c - what a training graph would meet on the model's device, before any run: the ops
+ * the device cannot run (they fall back to the CPU), counted per op kind, and the slow paths, nodes
+ * the device runs but through a route known to cost more than the CPU build's (the CPU-only kernels
+ * of convert.c and outer.c are not available there, or a mode asks for F32), each with the reason.
+ * Both are kept in the engine and read back an entry at a time.
  */
 #include "engine_impl.h"
 
@@ -37,7 +38,7 @@ static bool is_weight_dequant(const rg_model * m, const struct ggml_tensor * nod
     return w && quantized(w);
 }
 
-void rg_preflight_slow_paths(rg_engine * e, struct ggml_cgraph * gf) {
+static void slow_paths(rg_engine * e, struct ggml_cgraph * gf) {
     int counts[SLOW_KINDS] = {0};
     for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
         const struct ggml_tensor * node = ggml_graph_node(gf, i);
@@ -65,5 +66,47 @@ rg_status rg_engine_slow_path_get(const rg_engine * e, int index, const char ** 
     if (what) *what = k_what[e->slow_kind[index]];
     if (count) *count = e->slow_count[index];
     if (reason) *reason = k_why[e->slow_kind[index]];
+    return RG_OK;
+}
+
+rg_status rg_engine_preflight(rg_engine * e, rg_lora * lora, int32_t n_tokens, int * n_unsupported) {
+    if (n_unsupported) *n_unsupported = 0;
+    e->pre_n = 0;
+    e->slow_n = 0;
+    if (n_tokens <= 0) return rg_fail(RG_ERR_ARG, "preflight needs a positive token count");
+    rg_built o;
+    rg_status st = rg_engine_build(e, lora, n_tokens, lora != NULL ? RG_BUILD_TRAIN : RG_BUILD_FORWARD, false, false, &o);
+    if (st) return st;
+    int counts[RG_OP_KEYS] = {0};
+    const char * names[RG_OP_KEYS] = {0};
+    int total = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(o.gf); i++) {
+        struct ggml_tensor * node = ggml_graph_node(o.gf, i);
+        if (ggml_backend_dev_supports_op(e->model->dev, node)) continue;
+        const int key = rg_op_key(node);
+        counts[key]++;
+        names[key] = ggml_op_desc(node);
+        total++;
+    }
+    for (int k = 0; k < RG_OP_KEYS; k++) {
+        if (!counts[k]) continue;
+        e->pre_count[e->pre_n] = counts[k];
+        e->pre_name[e->pre_n] = names[k];
+        e->pre_n++;
+    }
+    if (n_unsupported) *n_unsupported = total;
+    slow_paths(e, o.gf);
+    ggml_free(o.ctx);
+    return RG_OK;
+}
+
+int rg_engine_preflight_count(const rg_engine * e) { return e->pre_n; }
+
+rg_status rg_engine_preflight_get(const rg_engine * e, int index, const char ** op, int * count) {
+    if (index < 0 || index >= e->pre_n) {
+        return rg_fail(RG_ERR_ARG, "preflight entry %d out of range (%d entries)", index, e->pre_n);
+    }
+    if (op) *op = e->pre_name[index];
+    if (count) *count = e->pre_count[index];
     return RG_OK;
 }

@@ -41,7 +41,7 @@ static rg_status segment(const rg_segments * s, int il, const float * x_in, floa
     if (!ctx) return rg_fail(RG_ERR_NOMEM, "out of host memory for a layer's graph context");
     rg_graph_build b = {
         .model = e->model, .lora = s->lora, .ctx = ctx, .n_tokens = T, .train = true, .exact_ops = e->exact_ops, .tiled_attention = !e->dense_attention,
-        .matmul_mode = e->matmul_mode, .packed = rg_gemm_for_mode(e->matmul_mode), .dropout = s->batch->lora_dropout > 0.0f,
+        .matmul = e->matmul, .dropout = s->batch->lora_dropout > 0.0f,
         .on_cpu = e->model->backend == e->model->backend_cpu,
     };
     rg_build_layer_inputs(&b);
@@ -90,7 +90,7 @@ static rg_status segment(const rg_segments * s, int il, const float * x_in, floa
     ggml_backend_sched_set_tensor_backend(e->sched, gy, e->model->backend);
     if (!ggml_backend_sched_alloc_graph(e->sched, run)) {
         ggml_free(ctx);
-        return rg_fail(RG_ERR_COMPUTE, "could not allocate layer %d's graph (%d tokens): out of memory?", il, T);
+        return rg_fail(RG_ERR_NOMEM, "could not allocate layer %d's graph (%d tokens)", il, T);
     }
     const double mib = (double) ggml_backend_sched_get_buffer_size(e->sched, e->model->backend) / (1024.0 * 1024.0);
     if (mib > e->timings.graph_mib) e->timings.graph_mib = mib;

@@ -9,10 +9,11 @@
  * expensive parts stay here.
  *
  * Conventions: functions are rg_<thing>_<verb>; objects come in init/free pairs; every fallible
- * call returns an rg_status and leaves a message for rg_last_error(). Nothing here aborts the
- * process on bad input, and every host allocation made here is checked: running out of memory is
- * reported as RG_ERR_COMPUTE with the object left as it was (or freed, for an init). (ggml's own
- * internal allocations are ggml's: it aborts when one of those fails.)
+ * call, setters included, returns an rg_status and leaves a message for rg_last_error(). Nothing
+ * here aborts the process on bad input, and every allocation made here is checked: running out of
+ * memory is reported as RG_ERR_NOMEM with the object left as it was (or freed, for an init).
+ * (ggml's own internal allocations are ggml's: it aborts when one of those fails.) The entry points
+ * for tests and benchmarks are in retrograd_test.h, in the same library.
  *
  * Constants are the enums below; the Python side reads them from the compiled library (lib.RG_*)
  * rather than keeping copies. Results of variable size (preflight, profile) are kept in the
@@ -39,9 +40,10 @@ typedef enum {
     RG_ERR_FORMAT      = 3,  /* a file is not what it claims (GGUF structure, missing tensor) */
     RG_ERR_UNSUPPORTED = 4,  /* an architecture, tensor type or feature we do not handle */
     RG_ERR_DEVICE      = 5,  /* no such device, or a backend could not be initialised */
-    RG_ERR_COMPUTE     = 6,  /* graph allocation or computation failed, or host memory ran out */
+    RG_ERR_COMPUTE     = 6,  /* a graph's computation failed */
     RG_ERR_NONFINITE   = 7,  /* a loss or gradient is NaN or infinite */
-    RG_ERR_CALLBACK    = 8   /* the caller's coefficient callback reported an error */
+    RG_ERR_CALLBACK    = 8,  /* the caller's coefficient callback reported an error */
+    RG_ERR_NOMEM       = 9   /* memory ran out: a host allocation, or a buffer of the device's */
 } rg_status;
 
 enum {
@@ -62,9 +64,6 @@ enum { RG_NO_PREFIX = -2147483647 - 1 };
 
 /* Thread-local message describing the last failure in this thread. */
 const char * rg_last_error(void);
-/* Address of ggml_init as this library resolved it: lets a test prove the process holds a single
- * ggml (the one llama-cpp-python loaded). */
-const void * rg_ggml_init_address(void);
 
 /* ---- devices ------------------------------------------------------------------------------ */
 typedef struct {
@@ -79,6 +78,32 @@ int       rg_device_count(void);
 rg_status rg_device_get_info(int index, rg_device_info * out);
 /* want: "auto" (a GPU if present, else the CPU), "cpu", "gpu" (fails without one), or a name. */
 rg_status rg_device_select(const char * want, int * index_out);
+
+/* ---- the frozen weights' products --------------------------------------------------------- */
+/* How base-weight matmuls are computed: RG_MATMUL_AUTO (default) converts to a 16-bit copy on the
+ * fly (BF16 where the CPU has AVX512-BF16, else F16; rg_matmul_conv_type) for the types whose
+ * native CPU kernels are slower than that at training batch sizes (Q4_1, Q5_x, K-quants) and keeps
+ * the native kernel otherwise; RG_MATMUL_NATIVE always uses ggml's quantized kernel (bit-equal to
+ * llama.cpp); RG_MATMUL_F16 / RG_MATMUL_BF16 always convert to that type; RG_MATMUL_F32 dequantizes
+ * to F32 forward and backward: slow, but no activation is rounded, so the forward is a smooth
+ * function (finite-difference tests on real models). */
+enum { RG_MATMUL_AUTO = 0, RG_MATMUL_NATIVE = 1, RG_MATMUL_F16 = 2, RG_MATMUL_F32 = 3, RG_MATMUL_BF16 = 4 };
+/* Which kernel multiplies the 16-bit copies: RG_KERNEL_AUTO (default) the CPU's own packed kernel
+ * (gemm.c: "amx-bf16" where the CPU has AMX tiles and Linux grants them, else "avx512-bf16" where it
+ * has AVX512-BF16, else "avx2-f16", F16 weights times F32 activations, where it has AVX2, FMA and
+ * F16C); RG_KERNEL_GGML ggml's own product; the others force that packed kernel (benchmarks and
+ * comparisons; RG_ERR_UNSUPPORTED where the CPU lacks it). A packed kernel multiplies copies of its
+ * own type (BF16 for the BF16 kernels, F16 for avx2-f16) in the modes that convert for speed (auto,
+ * f16, bf16); in any other case ggml's product does. */
+enum { RG_KERNEL_AUTO = 0, RG_KERNEL_GGML = 1, RG_KERNEL_AVX512_BF16 = 2, RG_KERNEL_AMX_BF16 = 3,
+       RG_KERNEL_AVX2_F16 = 4 };
+/* The type ("f16" or "bf16") a mode's on-the-fly copies of base weights have on this CPU: AUTO is
+ * BF16 where the CPU has AVX512-BF16 dot products (1.6-2x F16's product speed on a Zen 4, docs/benchmarks.md), else F16.
+ * NATIVE still converts for the backward's transposed products. F32 mode: "f32". */
+const char * rg_matmul_conv_type(int mode);
+/* The kernel that multiplies the copies of an engine set to (mode, kernel) on this CPU: *name gets
+ * "amx-bf16", "avx512-bf16", "avx2-f16" or "ggml" (static storage). Fails as rg_engine_set_matmul. */
+rg_status    rg_matmul_kernel(int mode, int kernel, const char ** name);
 
 /* ---- models ------------------------------------------------------------------------------- */
 typedef struct rg_model rg_model;
@@ -103,20 +128,18 @@ typedef struct {
 rg_status rg_model_init(const char * path, int device_index, int n_threads, rg_model ** out);
 void      rg_model_free(rg_model * model);
 void      rg_model_get_info(const rg_model * model, rg_model_info * out);
-rg_status rg_model_set_threads(rg_model * model, int n_threads);
 int       rg_model_tensor_count(const rg_model * model);
 rg_status rg_model_tensor_info(const rg_model * model, int index, const char ** name,
                                const char ** type_name, int64_t * ne /* [4] */);
 /* The weight cache: persistent 16-bit copies of the quantized target weights, within budget_bytes
  * (0 frees it), so training graphs on the CPU stop converting them per micro-batch; transposed
- * copies (the backward's) first. The copies are of the type an engine in matmul_mode (RG_MATMUL_*)
- * converts to, and hold the numbers its on-the-fly conversion makes, so results do not change
- * (an engine in another mode finds no copy of its type and converts). used_bytes (may be NULL)
- * receives what was allocated. */
-rg_status rg_model_set_weight_cache(rg_model * model, size_t budget_bytes, int matmul_mode, size_t * used_bytes);
-/* Input/output width of a LoRA target's base weight; RG_ERR_ARG if the layer lacks it. */
-rg_status rg_model_target_dims(const rg_model * model, int layer, int target,
-                               int64_t * n_in, int64_t * n_out);
+ * copies (the backward's) first. The copies are of the type (and, where a packed kernel runs, in the
+ * layout) an engine set to (matmul_mode, kernel) multiplies, and hold the numbers its on-the-fly
+ * conversion makes, so results do not change (an engine with other settings finds no copy it can
+ * read and converts). used_bytes (may be NULL) receives what was allocated. An invalid mode or
+ * kernel fails as rg_engine_set_matmul and leaves the cache as it was. */
+rg_status rg_model_set_weight_cache(rg_model * model, size_t budget_bytes, int matmul_mode, int kernel,
+                                    size_t * used_bytes);
 
 /* ---- LoRA adapters ------------------------------------------------------------------------ */
 typedef struct rg_lora rg_lora;
@@ -130,7 +153,6 @@ enum { RG_LORA_PLAIN = 0, RG_LORA_DORA = 1 };
  * full; m starts at the row norms of W (a fresh adapter leaves the model unchanged). */
 rg_status rg_lora_init(rg_model * model, uint32_t target_mask, int rank, float alpha, int variant,
                        rg_lora ** out);
-int       rg_lora_variant(const rg_lora * lora);
 /* DoRA: sets every magnitude to the row norms of W + scale B A for the current A and B. */
 rg_status rg_lora_magnitude_reset(rg_lora * lora);
 void      rg_lora_free(rg_lora * lora);
@@ -191,11 +213,6 @@ typedef int (*rg_coeff_fn)(void * user, int32_t n_targets, const float * logp,
 
 rg_status rg_engine_init(rg_model * model, rg_engine ** out);
 void      rg_engine_free(rg_engine * engine);
-/* 1: compute with composite ops of exact math (GELU from exp/softplus) everywhere instead of
- * llama.cpp's fused ops (GELU from an fp16 table). Forward values then differ from llama.cpp by
- * ~1e-3 relative on GELU models, but the forward is the exact function the gradient is of,
- * which finite-difference tests need. Default 0. */
-void      rg_engine_set_exact_ops(rg_engine * engine, int on);
 /* How attention is computed on the CPU: RG_ATTENTION_TILED (default) a tile of queries by keys at a
  * time, forward and backward, never storing a head's [tokens x tokens] scores (memory grows with the
  * tokens, not their square; attention.c); RG_ATTENTION_DENSE as ggml ops on the whole score matrix
@@ -203,25 +220,14 @@ void      rg_engine_set_exact_ops(rg_engine * engine, int on);
  * and exact ops always use the dense ops. RG_ERR_ARG for another value. */
 enum { RG_ATTENTION_TILED = 0, RG_ATTENTION_DENSE = 1 };
 rg_status rg_engine_set_attention(rg_engine * engine, int mode);
-/* Activation checkpointing: accumulate keeps only each layer's input from the forward pass and
- * recomputes the layer in the backward (memory grows with one layer's activations, not all of
- * them; a second forward pass's time). Off by default. */
-void      rg_engine_set_recompute(rg_engine * engine, int on);
-/* How base-weight matmuls are computed: RG_MATMUL_AUTO (default) converts to a 16-bit copy on the
- * fly (BF16 where the CPU has AVX512-BF16, else F16; rg_matmul_conv_type) for the types whose
- * native CPU kernels are slower than that at training batch sizes (Q4_1, Q5_x, K-quants) and keeps
- * the native kernel otherwise; RG_MATMUL_NATIVE always uses ggml's quantized kernel (bit-equal to
- * llama.cpp); RG_MATMUL_F16 / RG_MATMUL_BF16 always convert to that type; RG_MATMUL_F32 dequantizes
- * to F32 forward and backward: slow, but no activation is rounded, so the forward is a smooth
- * function (finite-difference tests on real models). */
-enum { RG_MATMUL_AUTO = 0, RG_MATMUL_NATIVE = 1, RG_MATMUL_F16 = 2, RG_MATMUL_F32 = 3, RG_MATMUL_BF16 = 4 };
-void      rg_engine_set_matmul_mode(rg_engine * engine, int mode);
-/* The type ("f16" or "bf16") a mode's on-the-fly copies of base weights have on this CPU: AUTO is
- * BF16 where the CPU has AVX512-BF16 dot products (1.6-2x F16's product speed on a Zen 4, docs/benchmarks.md), else F16.
- * NATIVE still converts for the backward's transposed products. F32 mode: "f32". */
-const char * rg_matmul_conv_type(int mode);
-/* Upper bound in bytes for the softmax store of the LM head (beyond it the head recomputes). */
-void      rg_engine_set_head_budget(rg_engine * engine, size_t bytes);
+/* Activation checkpointing (on: 1, off: 0, the default; RG_ERR_ARG otherwise): accumulate keeps
+ * only each layer's input from the forward pass and recomputes the layer in the backward (memory
+ * grows with one layer's activations, not all of them; a second forward pass's time). */
+rg_status rg_engine_set_recompute(rg_engine * engine, int on);
+/* How base-weight products are computed (RG_MATMUL_*) and by which kernel (RG_KERNEL_*), decided
+ * once here for every graph the engine builds afterwards. RG_ERR_ARG for an unknown value,
+ * RG_ERR_UNSUPPORTED for a kernel this CPU cannot run; either leaves the engine as it was. */
+rg_status rg_engine_set_matmul(rg_engine * engine, int mode, int kernel);
 /* Forward only (evaluation, reference policy). lora may be NULL (the base model). entropy_out
  * and hidden_out may be NULL. */
 rg_status rg_engine_forward(rg_engine * engine, rg_lora * lora, const rg_batch * batch,
@@ -279,35 +285,12 @@ typedef struct {
     double       flops;
     int64_t      count;
 } rg_profile_entry;
-void      rg_engine_set_profiling(rg_engine * engine, int on);
+/* on: 1 or 0 (the default); RG_ERR_ARG otherwise */
+rg_status rg_engine_set_profiling(rg_engine * engine, int on);
 int       rg_engine_profile_count(const rg_engine * engine);
 /* RG_ERR_ARG out of range. */
 rg_status rg_engine_profile_get(const rg_engine * engine, int index, rg_profile_entry * out);
 void      rg_engine_profile_reset(rg_engine * engine);
-/* Time ggml's CPU product of an [m, k] matrix of ggml type `type` (F32, F16 or a quantized
- * type; k a multiple of its block size) with an F32 [k, n] one: seconds per product, the median
- * rate is 2 m n k / seconds. A yardstick for the profile's FLOP rates, measured in the same run. */
-rg_status rg_matmul_bench(int type, int64_t m, int64_t n, int64_t k, int n_threads, int reps, double * seconds_out);
-/* The same for the packed product (gemm.c's kernel now, rg_gemm_kernel: BF16, or F16 weights times
- * F32 activations on AVX2) of an [m, k] weight and [k, n] activations, both packed beforehand: the
- * product alone. RG_ERR_ARG where it does not run. */
-rg_status rg_gemm_bench(int64_t m, int64_t n, int64_t k, int n_threads, int reps, double * seconds_out);
-/* The packed product (gemm.c, the kernel now) on its own, for tests against an oracle: w [n_out, n_in]
- * (row-major floats) is quantized to ggml type `type` (or kept, F32) and written back dequantized to
- * w_dequant; out = W x for x [n_tokens, n_in], or W^T x for x [n_tokens, n_out] when transposed, each
- * row of out one token's outputs; with rank > 0, plus the low-rank term V Z for v [rank, rows] and z
- * [n_tokens, rank] (F32, not rounded). The kernel rounds W to BF16 and x to BF16 (the BF16 kernels),
- * or W to F16 and x not at all (avx2-f16). RG_ERR_ARG where no kernel runs (or RETRO_PACKED_GEMM=0). */
-/* 1 where the packed product runs: a CPU with AVX512-BF16, or AVX2 + FMA + F16C, and RETRO_PACKED_GEMM
- * not "0" (the training graph then multiplies the base weights it converts to the kernel's type through
- * it, gemm.c); the kernel it runs now: "amx-bf16" (AMX tiles, where the CPU and Linux allow them, unless
- * RETRO_PACKED_GEMM=avx512), "avx512-bf16", "avx2-f16" (a CPU without AVX512-BF16, or
- * RETRO_PACKED_GEMM=avx2) or "none" */
-int          rg_gemm_available(void);
-const char * rg_gemm_kernel(void);
-rg_status rg_gemm_check(int type, const float * w, int64_t n_out, int64_t n_in, const float * x, int64_t n_tokens,
-                        int transposed, const float * v, const float * z, int rank, int n_threads, float * out,
-                        float * w_dequant);
 /* ---- weight formats ------------------------------------------------------------------------ */
 /* type is a ggml type number (GGUF stores the same). Bytes of n_rows rows (0: not a format whose
  * blocks fill rows of n_per_row values); rows to floats; floats to rows with ggml's quantizer

@@ -72,17 +72,18 @@ static struct ggml_tensor * dequant_transposed(rg_transposes * dq, struct ggml_c
 /* w packed for gemm.c (the weight cache's packed copy, else one made in this graph), once per graph
  * and orientation */
 static struct ggml_tensor * packed_weight(rg_transposes * memo, struct ggml_context * ctx, const rg_model * m,
-                                          struct ggml_tensor * w, bool transposed) {
+                                          struct ggml_tensor * w, bool transposed, int kernel) {
     struct ggml_tensor * r = memo_find(memo, w);
     if (r) return r;
-    r = rg_model_cached_packed(m, w, transposed);
-    return memo_keep(memo, w, r ? r : rg_pack_weight(ctx, w, transposed));
+    r = rg_model_cached_packed(m, w, transposed, kernel);
+    return memo_keep(memo, w, r ? r : rg_pack_weight(ctx, w, transposed, kernel));
 }
 
 /* activations packed for gemm.c, once per graph: q, k and v read one input, gate and up another */
-static struct ggml_tensor * packed_act(rg_transposes * memo, struct ggml_context * ctx, struct ggml_tensor * x) {
+static struct ggml_tensor * packed_act(rg_transposes * memo, struct ggml_context * ctx, struct ggml_tensor * x,
+                                       int kernel) {
     struct ggml_tensor * r = memo_find(memo, x);
-    return r ? r : memo_keep(memo, x, rg_pack_act(ctx, x));
+    return r ? r : memo_keep(memo, x, rg_pack_act(ctx, x, kernel));
 }
 
 /* whether t depends on no graph input (tokens, positions, masks, the head's gradient): a weight,
@@ -268,13 +269,15 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
      * pairs of those fused into one product */
     static __thread rg_transposes tc, dq, pw, pwt, pa, fg, lb, dead;
     tc.n = dq.n = pw.n = pwt.n = pa.n = fg.n = lb.n = dead.n = 0;
-    rg_users * uc = b->packed ? calloc(1, sizeof(rg_users)) : NULL;     /* NULL: no fusion */
+    const bool packed = rg_matmul_packed(&b->matmul);
+    const int kernel = b->matmul.kernel;
+    rg_users * uc = packed ? calloc(1, sizeof(rg_users)) : NULL;     /* NULL: no fusion */
     if (uc) users_count(uc, gf);
     /* attention a tile at a time (attention.c) on the CPU. It computes the same function as the dense
      * ops, so exact_ops (the finite-difference tests) keep it and check its gradients; the native
      * mode keeps llama.cpp's route for bit-equal log-probs */
     rg_ptrset sinks = { 0 }, live = { 0 };
-    if (b->tiled_attention && b->on_cpu && b->matmul_mode != RG_MATMUL_NATIVE && sinks_of(gf, &sinks)) {
+    if (b->tiled_attention && b->on_cpu && b->matmul.mode != RG_MATMUL_NATIVE && sinks_of(gf, &sinks)) {
         int n_tiled = 0;
         for (int il = 0; il < RG_MAX_LAYERS; il++) n_tiled += rg_attn_tile(b, gf, il);
         if (n_tiled == 0 || !reachable(gf, &sinks, &live)) {
@@ -292,21 +295,21 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
         }
         /* outer.c's kernels allowed (CPU only: another device runs ggml's own ops) */
         const bool own = !b->exact_ops && b->on_cpu && ggml_is_contiguous(node);
-        if (node->op == GGML_OP_MUL_MAT && own && b->packed) {
+        if (node->op == GGML_OP_MUL_MAT && own && packed) {
             /* a base weight's product through its 16-bit conversion (graph.c's linear, DoRA's W A^T;
              * BF16 or F16, the type this mode converts to, which the kernel replaces): gemm.c's kernel
              * on the weight packed as stored. The conversion node loses its user and is never computed. */
             struct ggml_tensor * c = node->src[0], * x = node->src[1];
             struct ggml_tensor * w = rg_base_weight_of(b->model, c);
-            if (w && ggml_is_quantized(w->type) && c->type == rg_conv_type(b->matmul_mode) && c->ne[0] == w->ne[0] &&
+            if (w && ggml_is_quantized(w->type) && c->type == b->matmul.conv_type && c->ne[0] == w->ne[0] &&
                 node->ne[0] == w->ne[1] && node->ne[2] == 1 && rg_pack_act_fits(x)) {
-                become(node, rg_gemm(ctx, packed_weight(&pw, ctx, b->model, w, false), packed_act(&pa, ctx, x),
-                                     node->ne[0], node->ne[1]));
+                become(node, rg_gemm(ctx, packed_weight(&pw, ctx, b->model, w, false, kernel),
+                                     packed_act(&pa, ctx, x, kernel), node->ne[0], node->ne[1]));
                 memo_keep(&fg, node, node);
                 continue;
             }
         }
-        if (node->op == GGML_OP_ADD && own && b->packed && dead.n + 2 <= 1024 && memo_find(&fg, node->src[0]) &&
+        if (node->op == GGML_OP_ADD && own && packed && dead.n + 2 <= 1024 && memo_find(&fg, node->src[0]) &&
             memo_find(&lb, node->src[1])) {
             /* W x + B (s A x): LoRA's product added in the packed product's epilogue, so neither
              * [n_out, T] term is written and read back. Only when the add is each one's sole reader
@@ -320,7 +323,7 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
                 continue;
             }
         }
-        if (node->op == GGML_OP_MUL_MAT && own && b->matmul_mode != RG_MATMUL_NATIVE) {
+        if (node->op == GGML_OP_MUL_MAT && own && b->matmul.mode != RG_MATMUL_NATIVE) {
             /* LoRA's B (A x) in the forward: an inner dimension of the rank. (The native mode keeps
              * ggml's kernel, as llama.cpp computes it.) */
             struct ggml_tensor * m = node->src[0];
@@ -370,25 +373,25 @@ struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * g
             become(node, rg_rank_expand(ctx, a, bt->src[0]));
             continue;
         }
-        if (w && own && b->packed && ggml_is_quantized(w->type)) {
+        if (w && own && packed && ggml_is_quantized(w->type)) {
             /* a base weight's input gradient W^T dy: gemm.c's kernel on the weight packed transposed */
             struct ggml_tensor * y = bt->op == GGML_OP_TRANSPOSE ? bt->src[0] : transposed(&tc, ctx, bt);
             if (y->nb[0] != sizeof(float)) y = ggml_cont(ctx, y);
             if (rg_pack_act_fits(y) && y->ne[0] == w->ne[1] && node->ne[0] == w->ne[0] && node->ne[1] == y->ne[1] &&
                 node->ne[2] == 1) {
-                become(node, rg_gemm(ctx, packed_weight(&pwt, ctx, b->model, w, true), packed_act(&pa, ctx, y),
-                                     node->ne[0], node->ne[1]));
+                become(node, rg_gemm(ctx, packed_weight(&pwt, ctx, b->model, w, true, kernel),
+                                     packed_act(&pa, ctx, y, kernel), node->ne[0], node->ne[1]));
                 continue;
             }
         }
         /* out_prod(a [n, m], b [p, m]) = mul_mat(a^T [m, n], b^T [m, p]); ggml's OUT_PROD kernel is
          * slow on the CPU for every type, the matmul kernels are not */
         struct ggml_tensor * x;
-        if (w && w->type != GGML_TYPE_F32 && b->matmul_mode != RG_MATMUL_F32 && b->on_cpu) {
+        if (w && w->type != GGML_TYPE_F32 && b->matmul.mode != RG_MATMUL_F32 && b->on_cpu) {
             /* a frozen base weight: dequantize, transpose to 16 bits (transient, freed after use);
              * F16/BF16 halve the copy and double the matmul speed against F32 (docs/architecture.md) */
             x = w->type == GGML_TYPE_F16 ? transposed(&tc, ctx, w)
-                                         : dequant_transposed(&dq, ctx, b->model, w, rg_conv_type(b->matmul_mode));
+                                         : dequant_transposed(&dq, ctx, b->model, w, b->matmul.conv_type);
         } else if (w) {
             /* F32 (or another device, where a cast is a ggml op the device can run) */
             x = ggml_cont(ctx, ggml_transpose(ctx, w->type == GGML_TYPE_F32 ? w : ggml_cast(ctx, w, GGML_TYPE_F32)));

@@ -5,6 +5,7 @@
 #define RG_INTERNAL_H
 
 #include "retrograd.h"
+#include "util.h"
 
 #include "ggml.h"
 #include "ggml-alloc.h"
@@ -15,20 +16,6 @@
 #include <stdbool.h>
 
 #define RG_MAX_LAYERS 256
-
-/* errors ---------------------------------------------------------------------------------- */
-rg_status rg_fail(rg_status status, const char * fmt, ...) __attribute__((format(printf, 2, 3)));
-double    rg_now_ms(void);
-/* RETRO_TRACE_NODES=1: graphs name their nodes on stderr as they run (engine.c) */
-bool      rg_trace_nodes(void);
-
-/* Running out of host memory is reported as a compute failure (see retrograd.h). */
-#define RG_ERR_NOMEM RG_ERR_COMPUTE
-/* malloc / calloc that, on failure, leave "out of host memory ... for <what>" for rg_last_error()
- * and return NULL: the caller frees what it holds and returns RG_ERR_NOMEM. Zero bytes allocate
- * one, so NULL always means failure. */
-void * rg_malloc(size_t bytes, const char * what);
-void * rg_calloc(size_t n, size_t size, const char * what);
 
 typedef enum { RG_ARCH_LLAMA, RG_ARCH_QWEN2, RG_ARCH_QWEN3, RG_ARCH_GEMMA3 } rg_arch;
 
@@ -70,7 +57,7 @@ struct rg_model {
     ggml_backend_buffer_t   cache_buf;
     struct ggml_tensor    * cache[RG_MAX_LAYERS][RG_N_TARGETS][2];
     size_t                  cache_bytes;
-    bool                    cache_packed;   /* the copies are packed for gemm.c */
+    int                     cache_kernel;   /* the packed kernel the copies are packed for (RG_KERNEL_GGML: not packed) */
     int64_t                 n_params;
     size_t                  weight_bytes;
 };
@@ -103,6 +90,23 @@ struct rg_lora {
 
 /* the slots of the adapter's tensor `index` (ABI order: per pair A, B, then DoRA's m) */
 rg_lora_slotset * rg_lora_slots(const rg_lora * l, int index);
+
+/* the frozen weights' products (matmul.c) ----------------------------------------------- */
+/* How an engine (or a weight cache) multiplies the frozen base weights, decided once from a matmul
+ * mode and a kernel request and read by everything that builds or fills a graph. */
+typedef struct {
+    int            mode;       /* RG_MATMUL_* */
+    enum ggml_type conv_type;  /* the on-the-fly copies' type, F16 or BF16 (unused in F32 mode) */
+    int            kernel;     /* what multiplies the copies: a packed kernel (RG_KERNEL_AVX512_BF16,
+                                * _AMX_BF16, _AVX2_F16: gemm.c), or RG_KERNEL_GGML, ggml's product */
+} rg_matmul;
+/* RG_ERR_ARG for an unknown mode or kernel, RG_ERR_UNSUPPORTED for a kernel this CPU lacks. A
+ * packed kernel is taken in the modes that convert for speed (auto, f16, bf16) when the copies are
+ * its type (BF16 for the BF16 kernels, F16 for avx2-f16); otherwise out->kernel is RG_KERNEL_GGML. */
+rg_status rg_matmul_decide(int mode, int kernel, rg_matmul * out);
+/* whether a weight of this type is multiplied through an on-the-fly copy (of mm->conv_type) */
+bool      rg_matmul_converts(const rg_matmul * mm, enum ggml_type type);
+static inline bool rg_matmul_packed(const rg_matmul * mm) { return mm->kernel != RG_KERNEL_GGML; }
 
 /* graph construction (graph.c) ------------------------------------------------------------ */
 /* one layer's attention as graph.c builds it, for attention.c's rewrite */
@@ -146,8 +150,7 @@ typedef struct {
     bool                 tiled_attention; /* attention.c's ops where they may run (rg_engine_set_attention) */
     bool                 on_cpu;      /* the weights live on the CPU: retrograd's CPU kernels (outer.c,
                                        * convert.c) may run; on another device only ggml's ops do */
-    int                  matmul_mode; /* RG_MATMUL_* */
-    bool                 packed;      /* the converted base weights' products through gemm.c (rg_gemm_for_mode) */
+    rg_matmul            matmul;      /* the engine's decision for the base weights' products */
     /* after the backward is built, consumers of subst_from[i] read subst_to[i] instead: the
      * forward value then comes from llama.cpp's own fused op (bit-equal outputs) while the
      * gradient comes from the composite that has a backward */
@@ -182,9 +185,6 @@ rg_status rg_set_attention_inputs(const rg_graph_build * b, const rg_batch * bat
 bool rg_attn_tile(rg_graph_build * b, struct ggml_cgraph * gf, int il);
 /* the I32 [T, 3] visibility input of a batch */
 void rg_attn_fill_vis(const rg_batch * batch, int32_t * out);
-/* outer.c's register tile: acc[i][j] = sum_s B[s * ldb + i * sb] V[s * ldv + j], i < nb <= 8, j < nv <= 32 */
-void rg_tile_product(const float * V, size_t ldv, const float * B, size_t ldb, size_t sb, int64_t steps, int nv, int nb,
-                     float acc[8][32]);
 
 /* A transient F16 copy of a (quantized) weight, optionally transposed (convert.c). */
 /* op kinds as counted by profiling and preflight: ggml ops, then unary ops */
@@ -212,17 +212,14 @@ struct ggml_tensor * rg_base_weight_of(const rg_model * m, struct ggml_tensor * 
 struct ggml_cgraph * rg_graph_rewrite(rg_graph_build * b, struct ggml_cgraph * gf, size_t size);
 
 struct ggml_tensor * rg_dequant(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed, enum ggml_type type);
-/* values [i0, i0 + n) of a weight row (F32 or a ggml type with to_float) as F32; i0 and n multiples
- * of the type's block size, or n reaching the row's end (convert.c, also gemm.c's packing) */
-void rg_row_span_f32(const struct ggml_tensor * w, const void * row, int64_t i0, int64_t n,
-                     ggml_to_float_t to_float, float * out);
 /* the weight cache (wcache.c): w's cached copy of that type (NULL: none); a cached copy's base
  * weight (NULL: c is not one); freeing */
 struct ggml_tensor * rg_model_cached(const rg_model * m, const struct ggml_tensor * w, bool transposed, enum ggml_type type);
 struct ggml_tensor * rg_model_uncached(const rg_model * m, const struct ggml_tensor * c);
-/* w's copy packed for gemm.c in that orientation (NULL: none; the cache holds packed copies when the
- * mode it was made for runs gemm.c, and then rg_model_cached finds none) */
-struct ggml_tensor * rg_model_cached_packed(const rg_model * m, const struct ggml_tensor * w, bool transposed);
+/* w's copy packed for the packed kernel `kernel` in that orientation (NULL: none; the cache holds
+ * packed copies when the decision it was made for runs a packed kernel, and then rg_model_cached
+ * finds none) */
+struct ggml_tensor * rg_model_cached_packed(const rg_model * m, const struct ggml_tensor * w, bool transposed, int kernel);
 void                 rg_model_free_weight_cache(rg_model * m);
 /* dst [n0, n1, H] = sum over t of p[:, t, h / (H / Hp)] q[:, t, h]^T for p [n0, T, Hp], q [n1, T, H]
  * (outer.c); fits: F32, at most 3-D, each column contiguous */
@@ -235,19 +232,19 @@ bool rg_outer_sum_fits(const struct ggml_tensor * p, const struct ggml_tensor * 
 struct ggml_tensor * rg_rank_expand(struct ggml_context * ctx, struct ggml_tensor * v, struct ggml_tensor * z);
 bool rg_rank_expand_fits(const struct ggml_tensor * v, const struct ggml_tensor * z);
 
-/* gemm.c: the frozen weights' 16-bit products through packed operands (see there; rg_gemm_available
- * in retrograd.h says whether this CPU runs them, rg_gemm_kernel which kernel). A weight packed as
+/* gemm.c: the frozen weights' 16-bit products through packed operands, by the packed kernel
+ * `kernel` (RG_KERNEL_AVX512_BF16, _AMX_BF16 or _AVX2_F16, as rg_matmul decided). A weight packed as
  * stored (rows = n_out) or transposed (rows = n_in); activations [k, T] packed (fits: F32, 2-D,
- * columns contiguous); their product [rows, T]. The packed types and shapes follow the kernel in use:
+ * columns contiguous); their product [rows, T]. The packed types and shapes follow the kernel:
  * rg_packed_weight_shape gives the weight's (and returns its type). */
-struct ggml_tensor * rg_pack_weight(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed);
-enum ggml_type       rg_packed_weight_shape(const struct ggml_tensor * w, bool transposed, int64_t ne[2]);
-/* whether a kept packed copy of w (the weight cache's, the LM head's) is in the kernel's layout now:
- * not after RETRO_PACKED_GEMM changed the kernel */
-bool                 rg_packed_weight_current(const struct ggml_tensor * packed, const struct ggml_tensor * w,
-                                              bool transposed);
+struct ggml_tensor * rg_pack_weight(struct ggml_context * ctx, struct ggml_tensor * w, bool transposed, int kernel);
+enum ggml_type       rg_packed_weight_shape(const struct ggml_tensor * w, bool transposed, int kernel, int64_t ne[2]);
+/* whether a kept packed copy of w (the weight cache's, the LM head's) is in the kernel's layout (the
+ * two BF16 kernels share theirs) */
+bool                 rg_packed_weight_fits(const struct ggml_tensor * packed, const struct ggml_tensor * w,
+                                           bool transposed, int kernel);
 bool                 rg_pack_act_fits(const struct ggml_tensor * x);
-struct ggml_tensor * rg_pack_act(struct ggml_context * ctx, struct ggml_tensor * x);
+struct ggml_tensor * rg_pack_act(struct ggml_context * ctx, struct ggml_tensor * x, int kernel);
 struct ggml_tensor * rg_gemm(struct ggml_context * ctx, struct ggml_tensor * packed_w, struct ggml_tensor * packed_x,
                              int64_t rows, int64_t n_tokens);
 /* the same product plus v z (v F32 [rows, r], z F32 [r, T], columns contiguous) in its epilogue:
@@ -256,50 +253,8 @@ bool                 rg_gemm_lowrank_fits(const struct ggml_tensor * v, const st
                                           int64_t n_tokens);
 struct ggml_tensor * rg_gemm_lowrank(struct ggml_context * ctx, struct ggml_tensor * packed_w, struct ggml_tensor * packed_x,
                                      struct ggml_tensor * v, struct ggml_tensor * z);
-/* an optional low-rank term added to a tile: V [rows, r] (column q at V + q ldv) times Z [r, T]
- * (token t's values at Z + t ldz), both F32, pointed at the tile's first row and token */
-typedef struct {
-    const float * V, * Z;
-    int64_t       ldv, ldz;
-    int           r;
-} rg_lowrank;
-/* the term for the tile whose first row is row0 and first token tok0, from v [rows, r] and z [r, T] */
-static inline rg_lowrank rg_lowrank_at(const struct ggml_tensor * v, const struct ggml_tensor * z, int64_t row0,
-                                       int64_t tok0) {
-    const int64_t ldv = v->nb[1] / sizeof(float), ldz = z->nb[1] / sizeof(float);
-    const rg_lowrank lr = { (const float *) v->data + row0, (const float *) z->data + tok0 * ldz, ldv, ldz, (int) v->ne[1] };
-    return lr;
-}
-/* a 16-lane mask of the first n lanes (none for n <= 0, all for n >= 16): the lanes of a vector
- * that still hold data when n values are left */
-static inline uint16_t rg_lanes16(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (uint16_t) ((1u << n) - 1); }
-/* gemm_amx.c: the same product on AMX tiles. rg_amx_ready: the CPU has AMX-BF16 and Linux granted
- * the tile state (asked once). The activations' packing there is row-major BF16 [2 kp, 32 ceil(T / 32)]
- * (kp a multiple of 16); both are ggml custom ops for gemm.c's builders. */
-bool rg_amx_ready(void);
-void rg_amx_pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata);
-void rg_amx_gemm(struct ggml_tensor * dst, int ith, int nth, void * userdata);
-/* gemm_avx2.c: the same product for CPUs without AVX512-BF16, F16 weights times F32 activations.
- * rg_avx2_ready: the CPU has AVX2, FMA and F16C. The weight packed as F16 [RG_AVX2_MR k, row blocks],
- * the activations as F32 [RG_AVX2_NR k, token blocks]; the three are ggml custom ops for gemm.c's
- * builders (the weight's userdata non-NULL: transposed). */
-#define RG_AVX2_MR 16
-#define RG_AVX2_NR 6
-bool rg_avx2_ready(void);
-void rg_avx2_pack_weight(struct ggml_tensor * dst, int ith, int nth, void * userdata);
-void rg_avx2_pack_act(struct ggml_tensor * dst, int ith, int nth, void * userdata);
-void rg_avx2_gemm(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 /* the FLOPs of a gemm.c product node (its contraction rounded up to even, plus the low-rank term), else 0 */
 double               rg_gemm_flops(const struct ggml_tensor * t);
-/* whether a graph of this matmul mode multiplies converted base weights through gemm.c: the mode
- * converts them to the kernel's weight type (BF16 for the BF16 kernels, F16 for avx2-f16; the
- * explicit mode or auto, never native or f32); the weight cache then holds packed copies */
-bool                 rg_gemm_for_mode(int matmul_mode);
-
-/* Whether a weight of this type is multiplied through an on-the-fly 16-bit copy, and which type
- * that copy has in this mode (BF16 where the CPU has a BF16 dot product and the mode allows). */
-bool           rg_use_converted_matmul(enum ggml_type type, int mode);
-enum ggml_type rg_conv_type(int mode);
 
 /* LM head (head.c) -------------------------------------------------------------------------- */
 typedef struct rg_head rg_head;
@@ -314,15 +269,12 @@ rg_status rg_head_backward(rg_head * head, struct ggml_tensor * hidden,
                            struct ggml_tensor * grad_hidden, const rg_batch * batch,
                            const float * logp, const float * coeff);
 double    rg_head_ms(rg_head * head, bool reset);
-/* the engine's matmul mode (RG_MATMUL_*, AUTO at creation): F32 is exact, the others convert W_out's
- * slices in the backward to rg_conv_type(mode) */
-void      rg_head_set_matmul_mode(rg_head * head, int mode);
+/* the engine's decision (auto at creation): F32 mode is exact, the others convert W_out's slices in
+ * the backward to mm->conv_type, and a packed kernel multiplies the quantized W_out's products */
+void      rg_head_set_matmul(rg_head * head, const rg_matmul * mm);
 /* The k most likely next tokens (ids, log-probs) at each target's row, best first, and the
  * targets' own log-probs when target_logp is not NULL. */
 rg_status rg_head_topk(rg_head * head, struct ggml_tensor * hidden, const rg_batch * batch, int k,
                        int32_t * ids_out, float * logp_out, float * target_logp);
-
-/* helpers -------------------------------------------------------------------------------- */
-bool rg_backend_is_host(ggml_backend_t backend);
 
 #endif /* RG_INTERNAL_H */

@@ -4,13 +4,14 @@
  * every quantized weight twice per micro-batch (forward and, transposed, backward: about a tenth
  * of an SFT step on the default model, docs/benchmarks.md).
  *
- * Where the graph multiplies through gemm.c (BF16 on CPUs with AVX512-BF16, F16 on other AVX2 CPUs)
- * the copies are packed for its kernel instead, by its own packing op, in that kernel's type and
- * layout (rg_packed_weight_shape). The base never changes, so the copies are made once and
- * stay valid; the op the graph would run makes them, so a graph that reads them computes bit for
- * bit what it computed before. Within a byte budget,
- * transposed copies come first (the backward's conversion is the dearer one), then forward ones, layer by
- * layer. CPU only: on another device the graph casts with ggml's own ops.
+ * Where the graph multiplies through gemm.c (BF16 on CPUs with AVX512-BF16, F16 on other AVX2 CPUs,
+ * or the kernel forced) the copies are packed for its kernel instead, by its own packing op, in that
+ * kernel's type and layout (rg_packed_weight_shape). The kernel is matmul.c's decision for the mode and
+ * kernel the cache is made for: the one an engine with those settings takes. The base never
+ * changes, so the copies are made once and stay valid; the op the graph would run makes them, so a
+ * graph that reads them computes bit for bit what it computed before. Within a byte budget,
+ * transposed copies come first (the backward's conversion is the dearer one), then forward ones,
+ * layer by layer. CPU only: on another device the graph casts with ggml's own ops.
  */
 #include "rg_internal.h"
 
@@ -22,15 +23,15 @@ static void free_cache(rg_model * m) {
     m->cache_buf = NULL;
     m->cache_ctx = NULL;
     m->cache_bytes = 0;
-    m->cache_packed = false;
+    m->cache_kernel = RG_KERNEL_GGML;
     memset(m->cache, 0, sizeof(m->cache));
 }
 
 /* whether the graph converts this weight to 16 bits: transposed in every backward of a quantized
  * weight (rewrite.c), forward where the mode prefers that to the native kernel (graph.c) */
-static bool converted(const struct ggml_tensor * w, bool transposed, int mode) {
-    if (!w || !ggml_is_quantized(w->type) || mode == RG_MATMUL_F32) return false;
-    return transposed || rg_use_converted_matmul(w->type, mode);
+static bool converted(const struct ggml_tensor * w, bool transposed, const rg_matmul * mm) {
+    if (!w || !ggml_is_quantized(w->type) || mm->mode == RG_MATMUL_F32) return false;
+    return transposed || rg_matmul_converts(mm, w->type);
 }
 
 /* every copy made by convert.c's own op (the conversion the graph would otherwise run), copied into
@@ -48,14 +49,17 @@ static rg_status fill(rg_model * m) {
                 struct ggml_tensor * c = m->cache[il][t][tr];
                 if (!c) continue;
                 struct ggml_tensor * w = m->layers[il].w[t];
-                ggml_build_forward_expand(gf, ggml_cpy(ctx, m->cache_packed ? rg_pack_weight(ctx, w, tr == 1)
-                                                                            : rg_dequant(ctx, w, tr == 1, c->type), c));
+                const bool packed = m->cache_kernel != RG_KERNEL_GGML;
+                ggml_build_forward_expand(gf, ggml_cpy(ctx, packed ? rg_pack_weight(ctx, w, tr == 1, m->cache_kernel)
+                                                                   : rg_dequant(ctx, w, tr == 1, c->type), c));
             }
         }
     }
     ggml_gallocr_t ga = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
     rg_status st = RG_OK;
-    if (!ga || !ggml_gallocr_alloc_graph(ga, gf) || ggml_backend_graph_compute(m->backend_cpu, gf) != GGML_STATUS_SUCCESS) {
+    if (!ga || !ggml_gallocr_alloc_graph(ga, gf)) {
+        st = rg_fail(RG_ERR_NOMEM, "could not allocate the weight cache's conversion graph");
+    } else if (ggml_backend_graph_compute(m->backend_cpu, gf) != GGML_STATUS_SUCCESS) {
         st = rg_fail(RG_ERR_COMPUTE, "could not fill the weight cache");
     }
     if (ga) ggml_gallocr_free(ga);
@@ -63,9 +67,12 @@ static rg_status fill(rg_model * m) {
     return st;
 }
 
-rg_status rg_model_set_weight_cache(rg_model * m, size_t budget_bytes, int matmul_mode, size_t * used_bytes) {
-    free_cache(m);
+rg_status rg_model_set_weight_cache(rg_model * m, size_t budget_bytes, int matmul_mode, int kernel, size_t * used_bytes) {
     if (used_bytes) *used_bytes = 0;
+    rg_matmul mm;
+    const rg_status valid = rg_matmul_decide(matmul_mode, kernel, &mm);
+    if (valid) return valid;        /* the cache as it was */
+    free_cache(m);
     if (budget_bytes == 0) return RG_OK;
     if (m->backend != m->backend_cpu) {
         return rg_fail(RG_ERR_ARG, "the weight cache is for the CPU device (%s converts with its own ops)",
@@ -74,20 +81,20 @@ rg_status rg_model_set_weight_cache(rg_model * m, size_t budget_bytes, int matmu
     struct ggml_init_params ip = { ggml_tensor_overhead() * ((size_t) m->hp.n_layer * RG_N_TARGETS * 2 + 1), NULL, true };
     m->cache_ctx = ggml_init(ip);
     if (!m->cache_ctx) return rg_fail(RG_ERR_NOMEM, "out of host memory for the weight cache's metadata");
-    const enum ggml_type ct = rg_conv_type(matmul_mode);
-    m->cache_packed = rg_gemm_for_mode(matmul_mode);
+    m->cache_kernel = mm.kernel;
+    const bool packed = rg_matmul_packed(&mm);
     size_t total = 0;
     for (int tr = 1; tr >= 0; tr--) {
         for (int il = 0; il < m->hp.n_layer; il++) {
             for (int t = 0; t < RG_N_TARGETS; t++) {
                 const struct ggml_tensor * w = m->layers[il].w[t];
-                if (!converted(w, tr == 1, matmul_mode)) continue;
+                if (!converted(w, tr == 1, &mm)) continue;
                 int64_t ne[2] = { tr ? w->ne[1] : w->ne[0], tr ? w->ne[0] : w->ne[1] };
-                const enum ggml_type type = m->cache_packed ? rg_packed_weight_shape(w, tr == 1, ne) : ct;
+                const enum ggml_type type = packed ? rg_packed_weight_shape(w, tr == 1, mm.kernel, ne) : mm.conv_type;
                 const size_t bytes = ggml_row_size(type, ne[0]) * (size_t) ne[1];
                 if (total + bytes > budget_bytes) continue;
                 struct ggml_tensor * c = ggml_new_tensor_2d(m->cache_ctx, type, ne[0], ne[1]);
-                ggml_format_name(c, "%s (%s%s%s, cached)", w->name, ggml_type_name(type), m->cache_packed ? ", packed" : "",
+                ggml_format_name(c, "%s (%s%s%s, cached)", w->name, ggml_type_name(type), packed ? ", packed" : "",
                                  tr ? ", transposed" : "");
                 m->cache[il][t][tr] = c;
                 total += bytes;
@@ -123,15 +130,15 @@ static struct ggml_tensor * cached(const rg_model * m, const struct ggml_tensor 
     return NULL;
 }
 
-/* only a copy in the layout of the kernel in use: one packed for another (RETRO_PACKED_GEMM changed
- * since the cache was made) would be read as garbage */
-struct ggml_tensor * rg_model_cached_packed(const rg_model * m, const struct ggml_tensor * w, bool transposed) {
-    struct ggml_tensor * c = m->cache_packed ? cached(m, w, transposed) : NULL;
-    return c && rg_packed_weight_current(c, w, transposed) ? c : NULL;
+/* only a copy in the layout of the engine's kernel: one packed for another (a cache made for other
+ * settings) would be read as garbage */
+struct ggml_tensor * rg_model_cached_packed(const rg_model * m, const struct ggml_tensor * w, bool transposed, int kernel) {
+    struct ggml_tensor * c = m->cache_kernel != RG_KERNEL_GGML ? cached(m, w, transposed) : NULL;
+    return c && rg_packed_weight_fits(c, w, transposed, kernel) ? c : NULL;
 }
 
 struct ggml_tensor * rg_model_cached(const rg_model * m, const struct ggml_tensor * w, bool transposed, enum ggml_type type) {
-    struct ggml_tensor * c = m->cache_packed ? NULL : cached(m, w, transposed);
+    struct ggml_tensor * c = m->cache_kernel != RG_KERNEL_GGML ? NULL : cached(m, w, transposed);
     return c && c->type == type ? c : NULL;
 }
 

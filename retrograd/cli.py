@@ -13,14 +13,9 @@ import textwrap
 
 from retrograd import logs
 from retrograd.errors import reported
-from retrograd.features import NOT_BUILT as _NOT_BUILT
-from retrograd.features import refuse
 
 COMMON = "Paths on the command line resolve against the current directory; paths in the TOML file " \
          "resolve against the file's directory."
-
-#: commands of the specification that this version refuses (from retrograd.features)
-NOT_BUILT: dict[str, str] = {c: _NOT_BUILT[c] for c in ("scenarios", "judge", "collect", "tools") if c in _NOT_BUILT}
 
 #: the modules under retrograd.commands whose add_parser adds the commands, in the order of the help
 COMMAND_MODULES = ("train", "bench", "chat", "serve", "export", "distill_teacher", "inspect", "models", "tools",
@@ -35,11 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(DPO, IPO, SimPO, ORPO), evaluation, chat and an OpenAI-compatible server.",
         epilog=COMMON + " Environment: RETRO_THREADS overrides training.threads; RETRO_REQUIRE_GPU_RESIDENT=1 equals "
                         "training.require_gpu_resident; RETRO_FAST_TOP_P=1 uses a faster top-p selection (ties may "
-                        "resolve differently); RETRO_PACKED_GEMM=0 multiplies the BF16 weight copies through ggml's own "
-                        "product instead of retrograd's packed kernel (CPUs with AVX512-BF16), RETRO_PACKED_GEMM=avx512 "
-                        "keeps its AVX512-BF16 kernel on a CPU with AMX tiles; RETRO_DEVICE_SAMPLING "
-                        "and RETRO_DEVICE_LOGPROBS have no effect in this "
-                        "version (sampling and its log-probs are always computed on the host); RUST_LOG (alias RETRO_LOG: "
+                        "resolve differently); RETRO_DEVICE_SAMPLING and RETRO_DEVICE_LOGPROBS, which the "
+                        "specification names, are not read (sampling and its log-probs are computed on the host "
+                        "on every device); RUST_LOG (alias RETRO_LOG: "
                         "error, warn, info, debug, or retrograd=LEVEL) sets the log level of retrograd and of "
                         "llama.cpp (default warn); RETROGRAD_CACHE moves the model cache; RETRO_STATE_DIR and "
                         "RETRO_API_KEY are retrograd-server's defaults. Manual pages: man retrograd, man "
@@ -48,11 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:          # each declares its commands, their flags and the function that runs them
         importlib.import_module(f"retrograd.commands.{name}").add_parser(sub)
-    for name, what in NOT_BUILT.items():
-        if name in sub.choices:           # its module declared it: dispatch refuses it all the same
-            continue
-        p = sub.add_parser(name, help=f"[not built yet] {what}", description=f"Not built yet: {what}.")
-        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     # the top-level help lists every command with its flags, then the environment (kept as written)
     listing = ["commands and their flags (retrograd COMMAND --help explains each):"]
     for p in sub.choices.values():
@@ -80,8 +68,6 @@ def main(argv: list[str] | None = None) -> int:
 def dispatch(args: argparse.Namespace) -> int:
     """Run the command; a RetrogradError becomes one `error:` line and its exit code."""
     def body() -> int:
-        if args.command in NOT_BUILT:
-            refuse(args.command)
         return args.run(args)
     return reported(body)
 

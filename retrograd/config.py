@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from retrograd.errors import ConfigError  # noqa: F401 - the configuration's error type, re-exported
-from retrograd.features import NOT_BUILT, is_built
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -202,10 +201,6 @@ def _cross_check(cfg: Config, label: str) -> None:
         raise ConfigError(f"{label}: [lora].variant = \"dora\" cannot train {cfg.run.algorithm}: its rollouts are sampled "
                           "by llama.cpp, which cannot apply DoRA's magnitudes (the model would be merged again after "
                           "every step); use variant = \"lora\", or dora with sft, distill or preference")
-    if not is_built(cfg.run.algorithm):
-        built = [a for a in ALGORITHMS if is_built(a)]
-        raise ConfigError(f"{label}: [run].algorithm = {cfg.run.algorithm!r}: {NOT_BUILT[cfg.run.algorithm]} is not "
-                          f"built yet in this version (available: {', '.join(built)})")
 
 
 def load(path: Path) -> Config:

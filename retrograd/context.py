@@ -44,7 +44,12 @@ def open_model(cfg: Config, *, need_data: bool = True) -> RunContext:
     spec = LoraSpec(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.targets), cfg.lora.scaling, cfg.lora.variant)
     trainable = Trainable(model_path, spec, device=cfg.model.device, threads=resolve_threads(cfg), seed=cfg.run.seed)
     trainable.engine.set_recompute(cfg.training.activation_checkpointing)
-    trainable.engine.set_matmul_mode(cfg.training.matmul_precision)
+    try:
+        trainable.engine.set_matmul_mode(cfg.training.matmul_precision)
+    except native.NativeError as exc:       # a route forced that this CPU cannot run
+        trainable.close()
+        raise ConfigError(f"{config_label(cfg)}: [training].matmul_precision = "
+                          f"{cfg.training.matmul_precision!r}: {exc}") from exc
     cache_note = weight_cache(trainable, cfg.training.weight_cache_mb, cfg.training.matmul_precision)
     if cfg.lora.init_adapter:
         trainable.load_adapter(Path(cfg.lora.init_adapter), reference=True)

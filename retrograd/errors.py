@@ -35,12 +35,6 @@ class UsageError(RetrogradError, ValueError):
     exit_code = 2
 
 
-class NotBuiltError(RetrogradError):
-    """A feature the specification names that this version does not have yet."""
-
-    exit_code = 2
-
-
 def reported(fn: Callable[[], int], prefix: str = "error") -> int:
     """Run a command body: a RetrogradError becomes one `prefix: message` line on stderr and its
     exit code, Ctrl-C exits 130; anything else is a bug and keeps its traceback."""

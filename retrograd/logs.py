@@ -37,10 +37,6 @@ def setup() -> None:
         handler._retrograd = True
         log.addHandler(handler)
     log.propagate = False
-    for name in ("RETRO_DEVICE_SAMPLING", "RETRO_DEVICE_LOGPROBS"):
-        if os.environ.get(name, "").strip() not in ("", "0"):
-            print(f"note: {name} has no effect in this version: sampling and its log-probs are computed on the "
-                  "host on every device", file=sys.stderr)
     raw = os.environ.get("RUST_LOG") or os.environ.get("RETRO_LOG")
     if raw and not any(p.strip().lower().rpartition("=")[2] in LEVELS for p in raw.split(",")):
         log.warning("RUST_LOG / RETRO_LOG = %r names no level (expected error, warn, info, debug or trace); "

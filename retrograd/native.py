@@ -1,9 +1,11 @@
-"""Python face of the native engine (native/retrograd.h); the only module that touches cffi.
+"""Python face of the native engine (native/retrograd.h, and native/retrograd_test.h's entry points
+for tests and benchmarks); the only module that touches cffi.
 
 Everything here is a thin, typed wrapper: models, LoRA tensors, micro-batches, the forward and
 training calls, AdamW, preflight. Errors from C arrive as NativeError carrying the C message and
-status. Every constant (statuses, targets, slots, device kinds, matmul modes, RG_NO_PREFIX) is
-read from the compiled header (lib.RG_*), never copied.
+status (NativeMemoryError, also a MemoryError, when memory ran out). Every constant (statuses,
+targets, slots, device kinds, matmul modes and kernels, RG_NO_PREFIX) is read from the compiled
+header (lib.RG_*), never copied.
 """
 
 from __future__ import annotations
@@ -50,9 +52,10 @@ STATUS_DEVICE = lib.RG_ERR_DEVICE
 STATUS_COMPUTE = lib.RG_ERR_COMPUTE
 STATUS_NONFINITE = lib.RG_ERR_NONFINITE
 STATUS_CALLBACK = lib.RG_ERR_CALLBACK
+STATUS_NOMEM = lib.RG_ERR_NOMEM
 _KINDS = {STATUS_ARG: "bad argument", STATUS_IO: "I/O error", STATUS_FORMAT: "format error",
           STATUS_UNSUPPORTED: "unsupported", STATUS_DEVICE: "device error", STATUS_COMPUTE: "compute error",
-          STATUS_NONFINITE: "non-finite value", STATUS_CALLBACK: "callback error"}
+          STATUS_NONFINITE: "non-finite value", STATUS_CALLBACK: "callback error", STATUS_NOMEM: "out of memory"}
 
 
 class NativeError(RetrogradError, RuntimeError):
@@ -65,9 +68,18 @@ class NativeError(RetrogradError, RuntimeError):
         self.kind = _KINDS.get(status, "error")
 
 
+class NativeMemoryError(NativeError, MemoryError):
+    """The native engine ran out of memory (RG_ERR_NOMEM): host memory, or a device buffer. The
+    message says what could not be allocated; a smaller micro-batch, weight cache or model helps."""
+
+
 def _check(status: int) -> None:
-    if status != STATUS_OK:
-        raise NativeError(status, ffi.string(lib.rg_last_error()).decode("utf-8", "replace"))
+    if status == STATUS_OK:
+        return
+    message = ffi.string(lib.rg_last_error()).decode("utf-8", "replace")
+    if status == STATUS_NOMEM:
+        raise NativeMemoryError(status, message if message.startswith("out of") else f"out of memory: {message}")
+    raise NativeError(status, message)
 
 
 def _free(free: Callable, ptr, _parents: tuple) -> None:
@@ -160,20 +172,53 @@ def select_device(want: str = "auto") -> DeviceInfo:
     return devices()[idx[0]]
 
 
-# ---- models -------------------------------------------------------------------------------
-# how base-weight products are computed (retrograd.h, RG_MATMUL_*)
-_MATMUL_MODES = {"auto": lib.RG_MATMUL_AUTO, "native": lib.RG_MATMUL_NATIVE, "f16": lib.RG_MATMUL_F16,
-                 "bf16": lib.RG_MATMUL_BF16, "f32": lib.RG_MATMUL_F32}
+# ---- the frozen weights' products ---------------------------------------------------------
+#: the packed kernels (retrograd.h, RG_KERNEL_*) by the names rg_matmul_kernel gives them
+PACKED_KERNELS = {"amx-bf16": lib.RG_KERNEL_AMX_BF16, "avx512-bf16": lib.RG_KERNEL_AVX512_BF16,
+                  "avx2-f16": lib.RG_KERNEL_AVX2_F16}
+#: how base-weight products are computed: [training].matmul_precision's values, and "f32" (the smooth
+#: mode of the finite-difference tests), as a matmul mode and a kernel (RG_MATMUL_*, RG_KERNEL_*). The
+#: plain modes leave the kernel to the CPU; the others force one route, for benchmarks and comparisons:
+#: a packed kernel (named as it is) or ggml's own product of the 16-bit copies ("ggml-bf16", "ggml-f16").
+MATMUL_ROUTES: dict[str, tuple[int, int]] = {
+    "auto": (lib.RG_MATMUL_AUTO, lib.RG_KERNEL_AUTO), "bf16": (lib.RG_MATMUL_BF16, lib.RG_KERNEL_AUTO),
+    "f16": (lib.RG_MATMUL_F16, lib.RG_KERNEL_AUTO), "native": (lib.RG_MATMUL_NATIVE, lib.RG_KERNEL_AUTO),
+    "f32": (lib.RG_MATMUL_F32, lib.RG_KERNEL_AUTO),
+    "amx-bf16": (lib.RG_MATMUL_BF16, lib.RG_KERNEL_AMX_BF16), "avx512-bf16": (lib.RG_MATMUL_BF16, lib.RG_KERNEL_AVX512_BF16),
+    "avx2-f16": (lib.RG_MATMUL_F16, lib.RG_KERNEL_AVX2_F16),
+    "ggml-bf16": (lib.RG_MATMUL_BF16, lib.RG_KERNEL_GGML), "ggml-f16": (lib.RG_MATMUL_F16, lib.RG_KERNEL_GGML),
+}
+
+
+def _route(matmul: str) -> tuple[int, int]:
+    if matmul not in MATMUL_ROUTES:
+        raise ValueError(f"matmul mode must be one of {', '.join(MATMUL_ROUTES)}, got {matmul!r}")
+    return MATMUL_ROUTES[matmul]
 
 
 def conv_type(matmul: str = "auto") -> str:
-    """The type ("f16", "bf16") of the copies of base weights matmul mode `matmul` multiplies
-    through on this CPU ("auto": bf16 where the CPU has AVX512-BF16, else f16)."""
-    if matmul not in _MATMUL_MODES:
-        raise ValueError(f"matmul mode must be one of {sorted(_MATMUL_MODES)}, got {matmul!r}")
-    return ffi.string(lib.rg_matmul_conv_type(_MATMUL_MODES[matmul])).decode()
+    """The type ("f16", "bf16"; "f32" for f32) of the copies of base weights matmul mode `matmul`
+    multiplies through on this CPU ("auto": bf16 where the CPU has AVX512-BF16, else f16)."""
+    return ffi.string(lib.rg_matmul_conv_type(_route(matmul)[0])).decode()
 
 
+def matmul_kernel(matmul: str = "auto") -> str:
+    """The kernel that multiplies those copies on this CPU: a packed kernel ("amx-bf16",
+    "avx512-bf16", "avx2-f16") or "ggml" (ggml's own product: asked for, a mode that converts nothing
+    or to another type, or a CPU without one). Raises NativeError where `matmul` forces a kernel
+    this CPU cannot run."""
+    name = ffi.new("char **")
+    _check(lib.rg_matmul_kernel(*_route(matmul), name))
+    return ffi.string(name[0]).decode()
+
+
+def packed_kernels() -> list[str]:
+    """The packed kernels this CPU runs (each can be forced by its name as a matmul mode)."""
+    name = ffi.new("char **")
+    return [k for k in PACKED_KERNELS if lib.rg_matmul_kernel(*MATMUL_ROUTES[k], name) == STATUS_OK]
+
+
+# ---- models -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelInfo:
     arch: str
@@ -226,12 +271,11 @@ class Model(_Handle):
 
     def set_weight_cache(self, mib: int, matmul: str = "auto") -> float:
         """Keep 16-bit copies of the quantized target weights within `mib` MiB (0: none), of the type
-        an engine in matmul mode `matmul` converts to; returns the MiB used. Results are unchanged
-        (the copies are what the per-micro-batch conversion makes)."""
-        if matmul not in _MATMUL_MODES:
-            raise ValueError(f"matmul mode must be one of {sorted(_MATMUL_MODES)}, got {matmul!r}")
+        (and packed layout) an engine in matmul mode `matmul` multiplies; returns the MiB used.
+        Results are unchanged (the copies are what the per-micro-batch conversion makes)."""
+        mode, kernel = _route(matmul)
         used = ffi.new("size_t *")
-        _check(lib.rg_model_set_weight_cache(self._ptr, int(mib) << 20, _MATMUL_MODES[matmul], used))
+        _check(lib.rg_model_set_weight_cache(self._ptr, int(mib) << 20, mode, kernel, used))
         return used[0] / (1 << 20)
 
     def tensors(self) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -408,6 +452,7 @@ class Timings:
     graph_mib: float = 0.0
 
 
+# ---- tests and benchmarks (native/retrograd_test.h) -----------------------------------------
 _GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 8, "q4_k": 12, "q6_k": 14, "bf16": 30}
 
 
@@ -421,13 +466,20 @@ def matmul_bench(type_name: str, m: int, n: int, k: int, *, threads: int, reps: 
     return 2.0 * m * n * k / out[0]
 
 
-def gemm_check(type_name: str, w: np.ndarray, x: np.ndarray, *, transposed: bool = False,
+def _packed_kernel(kernel: str) -> int:
+    if kernel != "auto" and kernel not in PACKED_KERNELS:
+        raise ValueError(f"packed kernel must be auto or one of {', '.join(PACKED_KERNELS)}, got {kernel!r}")
+    return lib.RG_KERNEL_AUTO if kernel == "auto" else PACKED_KERNELS[kernel]
+
+
+def gemm_check(type_name: str, w: np.ndarray, x: np.ndarray, *, kernel: str = "auto", transposed: bool = False,
                lowrank: tuple[np.ndarray, np.ndarray] | None = None, threads: int = 2) -> tuple[np.ndarray, np.ndarray]:
-    """The packed product (native/gemm.c, gemm_kernel()'s) on its own: `w` [n_out, n_in] quantized to
-    `type_name`, times `x` [tokens, n_in] (or W^T times `x` [tokens, n_out] when `transposed`), plus
-    `z @ v` for `lowrank` = (v [rank, rows], z [tokens, rank]). The BF16 kernels round W and x to BF16;
-    "avx2-f16" rounds W to F16 and keeps x in F32. Returns the product [tokens, rows] and W as
-    quantized, dequantized, for an oracle. Raises where no kernel runs (gemm_available())."""
+    """A packed product (native/gemm.c; `kernel` one of packed_kernels(), "auto": the CPU's own) on its
+    own: `w` [n_out, n_in] quantized to `type_name`, times `x` [tokens, n_in] (or W^T times `x`
+    [tokens, n_out] when `transposed`), plus `z @ v` for `lowrank` = (v [rank, rows], z [tokens, rank]).
+    The BF16 kernels round W and x to BF16; "avx2-f16" rounds W to F16 and keeps x in F32. Returns the
+    product [tokens, rows] and W as quantized, dequantized, for an oracle. Raises where the kernel
+    does not run."""
     if type_name not in _GGML_TYPES:
         raise ValueError(f"gemm_check: unknown type {type_name!r} (one of {', '.join(_GGML_TYPES)})")
     w = np.ascontiguousarray(w, dtype=np.float32)
@@ -439,33 +491,20 @@ def gemm_check(type_name: str, w: np.ndarray, x: np.ndarray, *, transposed: bool
     v = z = np.zeros(0, np.float32)
     if lowrank is not None:
         v, z = (np.ascontiguousarray(a, dtype=np.float32) for a in lowrank)
-    _check(lib.rg_gemm_check(_GGML_TYPES[type_name], _ptr(w, "float *"), n_out, n_in, _ptr(x, "float *"), x.shape[0],
+    _check(lib.rg_gemm_check(_packed_kernel(kernel), _GGML_TYPES[type_name], _ptr(w, "float *"), n_out, n_in,
+                             _ptr(x, "float *"), x.shape[0],
                              int(transposed), _ptr(v, "float *"), _ptr(z, "float *"), v.shape[0] if v.size else 0,
                              threads, _ptr(out, "float *"), _ptr(deq, "float *")))
     return out, deq
 
 
-def gemm_bench(m: int, n: int, k: int, *, threads: int = 2, reps: int = 5) -> float:
-    """FLOP/s of the packed product (gemm_kernel()'s: BF16, or "avx2-f16"'s F16 weights times F32
-    activations) of an [m, k] weight with [k, n] activations, both packed beforehand: the product
-    alone. Raises where it does not run (gemm_available())."""
+def gemm_bench(m: int, n: int, k: int, *, kernel: str = "auto", threads: int = 2, reps: int = 5) -> float:
+    """FLOP/s of a packed product (`kernel` as for gemm_check: BF16, or "avx2-f16"'s F16 weights times
+    F32 activations) of an [m, k] weight with [k, n] activations, both packed beforehand: the product
+    alone. Raises where the kernel does not run."""
     out = ffi.new("double *")
-    _check(lib.rg_gemm_bench(m, n, k, threads, reps, out))
+    _check(lib.rg_gemm_bench(_packed_kernel(kernel), m, n, k, threads, reps, out))
     return 2.0 * m * n * k / out[0]
-
-
-def gemm_available() -> bool:
-    """Whether a packed product runs on this CPU: AVX512-BF16 (the BF16 kernels) or AVX2 + FMA + F16C
-    (the F16 one), RETRO_PACKED_GEMM not 0. The training graph takes it in the modes that convert to
-    the kernel's type (bf16 or f16, and auto where that is its type)."""
-    return bool(lib.rg_gemm_available())
-
-
-def gemm_kernel() -> str:
-    """The packed product's kernel now: "amx-bf16", "avx512-bf16", "avx2-f16" (F16 weights times F32
-    activations, on a CPU without AVX512-BF16) or "none" (RETRO_PACKED_GEMM=0, or a CPU with neither);
-    RETRO_PACKED_GEMM=avx512 keeps AVX512-BF16 on an AMX CPU, =avx2 forces "avx2-f16" on a BF16 one."""
-    return ffi.string(lib.rg_gemm_kernel()).decode()
 
 
 @dataclass(frozen=True)
@@ -493,14 +532,14 @@ class Engine(_Handle):
         return _c_batch(batch, self.model.info.n_embd)
 
     def set_matmul_mode(self, mode: str) -> None:
-        """'auto' (default), 'native' (llama.cpp's kernels, bit-equal), 'f16', 'bf16', or 'f32' (smooth, slow)."""
-        if mode not in _MATMUL_MODES:
-            raise ValueError(f"matmul mode must be one of {sorted(_MATMUL_MODES)}, got {mode!r}")
-        lib.rg_engine_set_matmul_mode(self._ptr, _MATMUL_MODES[mode])
+        """'auto' (default), 'native' (llama.cpp's kernels, bit-equal), 'f16', 'bf16', 'f32' (smooth,
+        slow), or a route forced (MATMUL_ROUTES: a packed kernel by its name, 'ggml-bf16', 'ggml-f16').
+        Raises NativeError for a kernel this CPU cannot run, the engine unchanged."""
+        _check(lib.rg_engine_set_matmul(self._ptr, *_route(mode)))
 
     def set_exact_ops(self, on: bool) -> None:
         """Exact composite ops everywhere (for finite-difference checks); see retrograd.h."""
-        lib.rg_engine_set_exact_ops(self._ptr, int(on))
+        _check(lib.rg_engine_set_exact_ops(self._ptr, int(on)))
 
     def set_attention(self, mode: str) -> None:
         """'tiled' (default: memory grows with the tokens) or 'dense' (ggml's ops on whole score matrices)."""
@@ -510,7 +549,7 @@ class Engine(_Handle):
 
     def set_recompute(self, on: bool) -> None:
         """Activation checkpointing: each layer recomputed in the backward from its saved input."""
-        lib.rg_engine_set_recompute(self._ptr, int(on))
+        _check(lib.rg_engine_set_recompute(self._ptr, int(on)))
 
     def forward(self, lora: Lora | None, batch: Batch, entropy: bool = False,
                 hidden: bool = False) -> LossInputs:
@@ -587,7 +626,7 @@ class Engine(_Handle):
         return out
 
     def set_profiling(self, on: bool) -> None:
-        lib.rg_engine_set_profiling(self._ptr, int(on))
+        _check(lib.rg_engine_set_profiling(self._ptr, int(on)))
 
     def profile(self, reset: bool = True) -> list[ProfileEntry]:
         """Per (phase, op, kind) tallies since the last reset, largest time first."""

@@ -12,6 +12,9 @@ from typing import Any
 ALGORITHMS = ("sft", "grpo", "ppo", "distill", "preference", "agent_grpo")
 #: LoRA targets; the config layer cannot load the C library, so a test checks these equal native.TARGETS
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+#: [training].matmul_precision's values; a test checks each is a route of native.MATMUL_ROUTES. The plain
+#: ones leave the kernel to the CPU, the others force one (the names `retrograd preflight` prints)
+MATMUL_PRECISIONS = ("auto", "bf16", "f16", "native", "amx-bf16", "avx512-bf16", "avx2-f16", "ggml-bf16", "ggml-f16")
 #: experiment trackers [run].report_to accepts, each installed by the extra of the same name
 TRACKERS = ("tensorboard", "mlflow", "wandb", "trackio")
 
@@ -99,9 +102,13 @@ class TrainingSection:
                                         "16-bit copy made per micro-batch, bf16 (the faster where the CPU has "
                                         "AVX512-BF16) or f16 (3 more bits of mantissa; packed with F32 activations "
                                         "on CPUs with AVX2); auto: bf16 on such CPUs, else f16 (`retrograd "
-                                        "preflight` says which); native: llama.cpp's own quantized kernels "
-                                        "(log-probs bit-equal to llama.cpp's, slower on most types) (docs/numerics.md)",
-                                choices=("auto", "bf16", "f16", "native"))
+                                        "preflight` says which, and which kernel); native: llama.cpp's own quantized "
+                                        "kernels (log-probs bit-equal to llama.cpp's, slower on most types). To "
+                                        "benchmark or compare, one route can be forced: amx-bf16, avx512-bf16 or "
+                                        "avx2-f16 (retrograd's packed kernels; an error where the CPU lacks one), "
+                                        "ggml-bf16 or ggml-f16 (ggml's own product of the 16-bit copies); these "
+                                        "convert every quantized weight, as bf16 and f16 do (docs/numerics.md)",
+                                choices=MATMUL_PRECISIONS)
     weight_cache_mb: int = opt(0, "MiB of 16-bit copies of the quantized base weights kept between micro-batches "
                                   "(CPU; 0: convert per micro-batch); results are unchanged", min=0)
     activation_checkpointing: bool = opt(False, "recompute each layer's activations in the backward from its saved "

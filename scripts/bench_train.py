@@ -12,9 +12,12 @@ median of the per-round ratios.
 
 With `--weight-cache-mb N` each round also runs retrograd with `[training].weight_cache_mb = N`
 (F16 copies of the base weights kept between micro-batches) and reports it beside the others.
+`--matmul-precision R` runs retrograd with `[training].matmul_precision = R`: a route forced by its
+kernel's name (e.g. avx2-f16, ggml-f16) measures it beside the one auto picks, in separate runs.
 
     python scripts/bench_train.py [--model M] [--steps 5] [--rounds 3] [--baseline torch_lora_sft.py]
                                   [--torch-python .venv-torch/bin/python] [--weight-cache-mb 1024]
+                                  [--matmul-precision auto]
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--weight-cache-mb", type=int, default=0,
                     help="also run retrograd with this F16 weight cache each round (0: not)")
+    from retrograd.sections import MATMUL_PRECISIONS
+
+    ap.add_argument("--matmul-precision", default="auto", choices=MATMUL_PRECISIONS,
+                    help="retrograd's [training].matmul_precision (default auto; a kernel's name forces that route)")
     args = ap.parse_args()
     from retrograd.models import default_model_path
 
@@ -61,7 +68,8 @@ def main() -> None:
 
     def retrograd(cache_mb: int) -> dict:
         out = subprocess.run([sys.executable, "-m", "retrograd.commands.profile_sft", model, str(args.seq),
-                              str(args.batch), str(args.steps), str(args.micro_batch_tokens), str(cache_mb)],
+                              str(args.batch), str(args.steps), str(args.micro_batch_tokens), str(cache_mb),
+                              args.matmul_precision],
                              capture_output=True, text=True, env=env)
         if out.returncode != 0:
             sys.exit(f"retrograd run failed:\n{out.stderr}")
@@ -74,7 +82,8 @@ def main() -> None:
             ours = retrograd(cache_mb)
             runs.append(ours)
             print(f"round {r + 1}: {label}{ours['tokens_s']:7.1f} tokens/s  step {ours['step_s']:.2f} s "
-                  f"(median of {args.steps})  peak RSS {ours['rss_mb']:.0f} MiB", flush=True)
+                  f"(median of {args.steps})  peak RSS {ours['rss_mb']:.0f} MiB  ({ours['matmul']}: kernel "
+                  f"{ours['kernel']})", flush=True)
             print("                     per step: " + ", ".join(f"{k} {v:.2f} s" for k, v in ours["phases_s"].items()))
         if skip:
             continue

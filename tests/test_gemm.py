@@ -1,7 +1,7 @@
 """native/gemm.c, the packed product of the frozen weights (BF16 on AVX512-BF16 or AMX, F16 weights
 times F32 activations on AVX2: every kernel this CPU runs): against a numpy oracle on its own (every
 orientation, odd shapes, several weight types), and inside the engine against ggml's own product of
-the same 16-bit type (RETRO_PACKED_GEMM=0) on the same inputs."""
+the same 16-bit type (the matmul mode "ggml-bf16" or "ggml-f16") on the same inputs."""
 
 from __future__ import annotations
 
@@ -13,19 +13,15 @@ from gradcheck import adapted, token_batch
 from retrograd import native
 from retrograd.engine import Trainable
 
-pytestmark = pytest.mark.skipif(not native.gemm_available(),
+pytestmark = pytest.mark.skipif(not native.packed_kernels(),
                                 reason="the packed product needs AVX512-BF16, or AVX2 with FMA and F16C")
 
-# RETRO_PACKED_GEMM for each kernel: AMX where the CPU has it, AVX512-BF16 forced on an AMX CPU, the
-# AVX2 F16 kernel forced on a BF16 one (and chosen by default on a CPU without AVX512-BF16)
-KERNEL_ENV = {"avx512-bf16": "avx512", "amx-bf16": "1", "avx2-f16": "avx2"}
 
-
-@pytest.fixture(params=list(KERNEL_ENV))
-def kernel(request, monkeypatch):
-    """Each of the product's kernels this CPU runs."""
-    monkeypatch.setenv("RETRO_PACKED_GEMM", KERNEL_ENV[request.param])
-    if native.gemm_kernel() != request.param:
+@pytest.fixture(params=list(native.PACKED_KERNELS))
+def kernel(request):
+    """Each of the product's kernels this CPU runs, forced by name (AVX512-BF16 on an AMX CPU too, the
+    AVX2 F16 kernel on a BF16 one too)."""
+    if request.param not in native.packed_kernels():
         pytest.skip(f"this CPU does not run the {request.param} kernel")
     return request.param
 
@@ -65,7 +61,7 @@ def test_packed_product_matches_the_oracle(kernel, qtype, n_out, n_in, tokens, t
     rng = np.random.default_rng(n_out * 1000 + n_in)
     w = rng.standard_normal((n_out, n_in)).astype(np.float32)
     x = rng.standard_normal((tokens, n_out if transposed else n_in)).astype(np.float32)
-    out, deq = native.gemm_check(qtype, w, x, transposed=transposed, threads=THREADS)
+    out, deq = native.gemm_check(qtype, w, x, kernel=kernel, transposed=transposed, threads=THREADS)
     round_w, round_x = rounding(kernel)
     wm = round_w(deq).astype(np.float64)
     xm = round_x(x).astype(np.float64)
@@ -92,7 +88,7 @@ def test_low_rank_epilogue_matches_the_oracle(kernel, n_out, tokens, rank, trans
     x = rng.standard_normal((tokens, n_out if transposed else n_in)).astype(np.float32)
     v = rng.standard_normal((rank, rows)).astype(np.float32)
     z = rng.standard_normal((tokens, rank)).astype(np.float32)
-    out, deq = native.gemm_check("q4_1", w, x, transposed=transposed, lowrank=(v, z), threads=THREADS)
+    out, deq = native.gemm_check("q4_1", w, x, kernel=kernel, transposed=transposed, lowrank=(v, z), threads=THREADS)
     round_w, round_x = rounding(kernel)
     wm = round_w(deq).astype(np.float64)
     m = wm if transposed else wm.T
@@ -100,7 +96,7 @@ def test_low_rank_epilogue_matches_the_oracle(kernel, n_out, tokens, rank, trans
     ref = xm @ m + z.astype(np.float64) @ v.astype(np.float64)
     scale = np.abs(xm) @ np.abs(m) + np.abs(z.astype(np.float64)) @ np.abs(v.astype(np.float64))
     assert np.max(np.abs(out - ref) / scale) < 1e-6
-    plain, _ = native.gemm_check("q4_1", w, x, transposed=transposed, threads=THREADS)
+    plain, _ = native.gemm_check("q4_1", w, x, kernel=kernel, transposed=transposed, threads=THREADS)
     assert np.max(np.abs(out - plain)) > 0.1      # the term was really added
 
 
@@ -116,7 +112,8 @@ def test_packed_weight_is_ggmls_values_rounded(kernel, qtype, transposed):
     n_out, n_in = 70, 256
     w = (rng.standard_normal((n_out, n_in)) * rng.uniform(0.01, 3.0, (n_out, 1))).astype(np.float32)
     k = n_out if transposed else n_in
-    out, deq = native.gemm_check(qtype, w, np.eye(k, dtype=np.float32), transposed=transposed, threads=THREADS)
+    out, deq = native.gemm_check(qtype, w, np.eye(k, dtype=np.float32), kernel=kernel, transposed=transposed,
+                                 threads=THREADS)
     round_w, _ = rounding(kernel)
     want = round_w(deq) if transposed else round_w(deq).T
     np.testing.assert_array_equal(out, want)
@@ -136,7 +133,7 @@ def _run(tr: Trainable, b: native.Batch, coeff: np.ndarray):
 
 
 @pytest.mark.parametrize(("variant", "recompute"), [("lora", False), ("dora", False), ("lora", True)])
-def test_engine_rounds_like_ggmls_product(kernel, tiny, monkeypatch, variant, recompute):
+def test_engine_rounds_like_ggmls_product(kernel, tiny, variant, recompute):
     """The same step through the packed product and through ggml's product of the same 16-bit type
     (bf16 mode for the BF16 kernels, f16 for avx2-f16), both against the F32 mode. A 16-bit route is
     defined only up to its rounding: a last-bit change in one sum moves some activations across a
@@ -152,10 +149,9 @@ def test_engine_rounds_like_ggmls_product(kernel, tiny, monkeypatch, variant, re
     b, coeff = token_batch(3)
     tr.engine.set_matmul_mode("f32")
     exact = _run(tr, b, coeff)
-    tr.engine.set_matmul_mode("f16" if kernel == "avx2-f16" else "bf16")
-    monkeypatch.setenv("RETRO_PACKED_GEMM", "0")
+    tr.engine.set_matmul_mode("ggml-f16" if kernel == "avx2-f16" else "ggml-bf16")
     ggml = _run(tr, b, coeff)
-    monkeypatch.setenv("RETRO_PACKED_GEMM", KERNEL_ENV[kernel])
+    tr.engine.set_matmul_mode(kernel)
     packed = _run(tr, b, coeff)
     bound = 0.75 if kernel == "avx2-f16" else 1.5
     changed = False
@@ -166,3 +162,32 @@ def test_engine_rounds_like_ggmls_product(kernel, tiny, monkeypatch, variant, re
     # BF16 times BF16 is exact in F32 and sums over this tiny model's 64 values often are too, so
     # the log-probs may come out bit-equal; the gradients' longer sums do not
     assert changed
+
+
+def test_routes_are_settings_of_the_engine(tiny):
+    """The kernel is the engine's setting, decided once: each route names the kernel it takes, a forced
+    kernel the CPU lacks is refused with the engine left as it was, and two engines in one process
+    keep their own routes (each computes what it computes alone)."""
+    for k in native.packed_kernels():
+        assert native.matmul_kernel(k) == k
+    for route in ("ggml-f16", "ggml-bf16", "native", "f32"):
+        assert native.matmul_kernel(route) == "ggml"
+    assert native.matmul_kernel("auto") in native.packed_kernels()
+    tr = adapted(tiny("llama", qtype="Q4_1"), "lora", False, THREADS)
+    b, coeff = token_batch(3)
+    kernel = native.matmul_kernel("auto")
+    tr.engine.set_matmul_mode(kernel)
+    packed = _run(tr, b, coeff)
+    missing = [k for k in native.PACKED_KERNELS if k not in native.packed_kernels()]
+    for k in missing:
+        with pytest.raises(native.NativeError, match=f"the {k} kernel does not run on this CPU") as err:
+            tr.engine.set_matmul_mode(k)
+        assert err.value.status == native.STATUS_UNSUPPORTED
+    ggml_route = "ggml-f16" if kernel == "avx2-f16" else "ggml-bf16"
+    other = adapted(tiny("llama", qtype="Q4_1"), "lora", False, THREADS)
+    other.engine.set_matmul_mode(ggml_route)
+    ggml = _run(other, b, coeff)
+    again = _run(tr, b, coeff)        # the refused settings changed nothing, the other engine neither
+    for p, a in zip(packed, again):
+        assert np.array_equal(p, a)
+    assert not np.array_equal(packed[2], ggml[2])

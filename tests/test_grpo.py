@@ -211,8 +211,16 @@ def test_retrograd_profile_sft_reports_ops_kinds_and_flops(tiny, tmp_path):
             assert (phase, kind) in cells, (phase, kind)
     assert rep["tokens_s"] > 0 and rep["peak_flops"] > 0 and rep["effective_flops"] > 0
     # the packed product's own rate, where it runs, is the other yardstick
-    assert (rep["packed_flops"] > 0) == native.gemm_available() and rep["packed_kernel"] == native.gemm_kernel()
+    kernel = native.matmul_kernel("auto")
+    assert (rep["packed_flops"] > 0) == (kernel != "ggml") and rep["packed_kernel"] == kernel
     assert rep["graph_flops"] == pytest.approx(sum(e["flops"] for e in rep["entries"]))
+    # a route forced through the setting [training].matmul_precision has too: ggml's product, no packed kernel
+    forced = subprocess.run([sys.executable, "-m", "retrograd.commands.profile", "--sft", "--model", str(model),
+                             "--batch", "1", "--seq", "16", "--steps", "1", "--threads", str(THREADS),
+                             "--matmul-precision", "ggml-f16", "--json"], capture_output=True, text=True)
+    assert forced.returncode == 0, forced.stderr
+    rep = json.loads(forced.stdout)
+    assert rep["packed_kernel"] == "ggml" and rep["packed_flops"] == 0 and rep["matmul_precision"] == "ggml-f16 (f16)"
     text = subprocess.run([sys.executable, "-m", "retrograd.commands.profile", "--sft", "--model", str(model),
                            "--batch", "1", "--seq", "16", "--steps", "1", "--threads", str(THREADS)],
                           capture_output=True, text=True)

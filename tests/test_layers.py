@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "retrograd"
 
 # lowest first; a module's layer is the first prefix that matches its dotted name
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "fsutil", "_pins", "features", "batch", "models", "logs", "memory", "libc"),  # no dependencies on the rest
+    ("errors", "fsutil", "_pins", "batch", "models", "logs", "memory", "libc"),  # no dependencies on the rest
     ("config", "sections"),
     ("run_setup", "report", "trackers"),
     ("data",),

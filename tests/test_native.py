@@ -31,6 +31,58 @@ def test_config_targets_are_the_c_librarys():
     assert native.TARGETS == TARGETS
 
 
+def test_config_matmul_precisions_are_the_engines_routes():
+    from retrograd.sections import MATMUL_PRECISIONS
+
+    assert set(native.MATMUL_ROUTES) == {*MATMUL_PRECISIONS, "f32"}
+    assert set(native.PACKED_KERNELS) <= set(MATMUL_PRECISIONS)
+
+
+def test_setters_validate_their_arguments(tiny):
+    """Every setter checks its value and answers with a status (RG_ERR_ARG, the message naming the
+    setting), leaving the object as it was: the next forward computes what it computed before."""
+    m = native.Model(tiny("llama"), "cpu", THREADS)
+    e = native.Engine(m)
+    b = native.Batch.next_token(np.arange(12, dtype=np.int32))
+    before = e.forward(None, b).logp
+    lib = native.lib
+    for call, name in ((lambda: lib.rg_engine_set_recompute(e._ptr, 2), "activation checkpointing"),
+                       (lambda: lib.rg_engine_set_exact_ops(e._ptr, -1), "exact ops"),
+                       (lambda: lib.rg_engine_set_profiling(e._ptr, 7), "profiling"),
+                       (lambda: lib.rg_engine_set_attention(e._ptr, 9), "attention"),
+                       (lambda: lib.rg_engine_set_matmul(e._ptr, 99, lib.RG_KERNEL_AUTO), "matmul mode"),
+                       (lambda: lib.rg_engine_set_matmul(e._ptr, lib.RG_MATMUL_F32, 99), "matmul kernel"),
+                       (lambda: lib.rg_model_set_weight_cache(m._ptr, 1 << 20, 99, lib.RG_KERNEL_AUTO, native.ffi.NULL),
+                        "matmul mode")):
+        assert call() == native.STATUS_ARG, name
+        assert name in native.ffi.string(lib.rg_last_error()).decode(), name
+    assert np.array_equal(e.forward(None, b).logp, before)
+    with pytest.raises(ValueError, match="matmul mode must be one of"):
+        e.set_matmul_mode("f8")
+    e.set_recompute(True)
+    e.set_recompute(False)
+
+
+def test_running_out_of_memory_is_its_own_error(smollm):
+    """An allocation that fails is RG_ERR_NOMEM, raised as NativeMemoryError (a MemoryError too) that
+    says so and what it was for: here the weight cache (405 MiB) under an address-space limit 64 MiB
+    above what the process holds, in a process of its own."""
+    script = (
+        "import resource, sys\n"
+        "from retrograd import native\n"
+        "m = native.Model(sys.argv[1], 'cpu', 1)\n"
+        "vm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmSize:')) * 1024\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    m.set_weight_cache(4096)\n"
+        "except native.NativeMemoryError as exc:\n"
+        "    print(exc.status == native.STATUS_NOMEM, isinstance(exc, MemoryError), exc.kind, '|', exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(smollm)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True True out of memory | out of memory: could not allocate the weight cache (405 MiB)"
+
+
 def test_one_ggml_in_process():
     import llama_cpp  # noqa: F401 - loads libllama and its ggml
 

@@ -23,11 +23,13 @@ def _logp_and_grads(tr: Trainable, b: native.Batch, coeff: np.ndarray):
 @pytest.mark.parametrize(("qtype", "variant", "recompute", "mode"),
                          [("Q4_1", "lora", False, "f16"), ("Q8_0", "lora", False, "f16"),
                           ("Q4_1", "dora", True, "f16"), ("Q4_1", "lora", False, "bf16"),
-                          ("Q4_1", "dora", False, "bf16")])
+                          ("Q4_1", "dora", False, "bf16"), ("Q4_1", "lora", False, "ggml-f16"),
+                          ("Q4_1", "lora", False, "ggml-bf16")])
 def test_cached_weights_give_bit_equal_logprobs_and_gradients(tiny, qtype, variant, recompute, mode):
     """Q4_1 runs its forward through 16-bit copies and its backward through transposed ones; Q8_0
     keeps llama.cpp's kernel forward, so only the transposed copies exist. Either way, in F16 and in
-    BF16, and with DoRA and activation checkpointing, the cache changes no bit."""
+    BF16, packed for the CPU's kernel or not (ggml's product forced), and with DoRA and activation
+    checkpointing, the cache changes no bit."""
     tr = adapted(tiny("llama", qtype=qtype), variant, recompute, THREADS)
     tr.engine.set_matmul_mode(mode)
     b, coeff = token_batch(2)
@@ -73,17 +75,41 @@ def test_weight_cache_mb_in_a_run_is_noted(tiny, tmp_path):
         ctx.trainable.close()
 
 
-def test_a_cache_of_the_other_type_is_not_read(tiny):
-    """An engine in BF16 mode beside a cache of F16 copies converts for itself: its numbers are its
-    own mode's, not the cache's."""
+def test_a_forced_route_is_a_setting_and_checked(tiny, tmp_path):
+    """[training].matmul_precision forces a route by its kernel's name; one this CPU cannot run is a
+    configuration error naming what the CPU lacks, before any training."""
+    from test_trainer import make_run
+
+    from retrograd.config import ConfigError, load
+    from retrograd.context import open_model
+
+    cfg = load(make_run(tmp_path, tiny("llama", qtype="Q4_1")))
+    cfg.training.weight_cache_mb = 16
+    cfg.training.matmul_precision = "ggml-f16"
+    ctx = open_model(cfg)
+    assert "weight cache: 0.2 MiB of f16 weights (budget 16 MiB)" in ctx.notes, ctx.notes
+    ctx.trainable.close()
+    missing = [k for k in native.PACKED_KERNELS if k not in native.packed_kernels()]
+    if not missing:
+        pytest.skip("this CPU runs every packed kernel")
+    cfg.training.matmul_precision = missing[0]
+    with pytest.raises(ConfigError, match=rf"matmul_precision = '{missing[0]}': the {missing[0]} kernel does not run"):
+        open_model(cfg)
+
+
+@pytest.mark.parametrize(("engine", "cache"), [("bf16", "f16"), ("ggml-f16", "f16"), ("f16", "ggml-f16")])
+def test_a_cache_of_other_settings_is_not_read(tiny, engine, cache):
+    """An engine beside a cache made for other settings (BF16 mode beside F16 copies; ggml's product
+    beside copies packed for the CPU's kernel, and the other way round, where a packed kernel runs)
+    converts for itself: its numbers are its own route's, not the cache's."""
     tr = Trainable(tiny("llama", qtype="Q4_1"), LoraSpec(4, 8.0), threads=THREADS)
     randomize_adapter(tr, 1, 0.1)
     rng = np.random.default_rng(3)
     b = native.Batch.next_token(rng.integers(0, 256, 40).astype(np.int32))
     coeff = rng.standard_normal(b.n_targets).astype(np.float32)
-    tr.engine.set_matmul_mode("bf16")
+    tr.engine.set_matmul_mode(engine)
     logp_bf, g_bf = _logp_and_grads(tr, b, coeff)
-    assert tr.model.set_weight_cache(64, "f16") > 0
+    assert tr.model.set_weight_cache(64, cache) > 0
     logp, g = _logp_and_grads(tr, b, coeff)
     assert np.array_equal(logp, logp_bf)
     for name in g:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 
 from retrograd.algorithms.base import GeneratorFactory, MicroBatch, Recipe, RecipeFactory, StepWork, Tally
-from retrograd.errors import NotBuiltError
+from retrograd.errors import ConfigError
 
 #: algorithm -> module and class of its recipe (imported on demand: each pulls in what it needs)
 RECIPES = {"sft": "sft:SFT", "grpo": "grpo:GRPO", "ppo": "ppo:PPO", "distill": "distill:Distill",
@@ -22,7 +22,7 @@ RECIPES = {"sft": "sft:SFT", "grpo": "grpo:GRPO", "ppo": "ppo:PPO", "distill": "
 
 def recipe_for(name: str) -> RecipeFactory:
     if name not in RECIPES:
-        raise NotBuiltError(f"[run].algorithm = {name!r} is not built yet in this version")
+        raise ConfigError(f"[run].algorithm = {name!r}: expected one of {', '.join(RECIPES)}")
     module, cls = RECIPES[name].split(":")
     return getattr(importlib.import_module(f"retrograd.algorithms.{module}"), cls)
 

@@ -114,11 +114,11 @@ def cpu_route() -> str:
     """Which route [training].matmul_precision = "auto" takes for the frozen weights here, and why."""
     from retrograd import native
 
-    kind, kernel = native.conv_type("auto"), native.gemm_kernel()
+    kind, kernel = native.conv_type("auto"), native.matmul_kernel("auto")
     why = {"amx-bf16": "this CPU has AMX tiles",
            "avx512-bf16": "this CPU has AVX512-BF16 dot products",
            "avx2-f16": "this CPU has AVX2, FMA and F16C but no AVX512-BF16 (F32 activations, F16 weights)",
-           "none": "no packed kernel runs here (or RETRO_PACKED_GEMM=0): ggml's own product"}[kernel]
+           "ggml": "no packed kernel runs here: ggml's own product"}[kernel]
     return f"base-weight products (matmul_precision auto): {kind}, packed kernel {kernel}: {why}"
 
 

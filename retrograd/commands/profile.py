@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from retrograd.commands.profile_sft import peak_rss_mib
 from retrograd.errors import UsageError, reported
+from retrograd.sections import MATMUL_PRECISIONS
 
 if TYPE_CHECKING:
     from retrograd.algorithms.base import StepWork
@@ -130,8 +131,9 @@ def parser() -> argparse.ArgumentParser:
                      help="ggml's own ops only (none of retrograd's fused kernels): the comparison point")
     sft.add_argument("--weight-cache-mb", type=int, default=0,
                      help="weight cache in MiB, as [training].weight_cache_mb (default 0: none)")
-    sft.add_argument("--matmul-precision", default="auto", choices=("auto", "bf16", "f16", "native"),
-                     help="how the frozen weights are multiplied, as [training].matmul_precision (default auto)")
+    sft.add_argument("--matmul-precision", default="auto", choices=MATMUL_PRECISIONS,
+                     help="how the frozen weights are multiplied, as [training].matmul_precision (default auto; "
+                          "a route forced by its kernel's name, e.g. avx2-f16 or ggml-f16, to compare routes)")
     return ap
 
 
@@ -166,7 +168,7 @@ def _profile_sft(args: argparse.Namespace) -> int:
         raise UsageError(f"--weight-cache-mb must be >= 0, got {args.weight_cache_mb}")
     cached = tr.model.set_weight_cache(args.weight_cache_mb, args.matmul_precision) if args.weight_cache_mb else 0.0
     report = profile_sft(tr, batch=args.batch, seq=args.seq, micro_batch_tokens=args.micro_batch_tokens,
-                         steps=steps, threads=threads, peak_type=native.conv_type(args.matmul_precision))
+                         steps=steps, threads=threads, matmul=args.matmul_precision)
     report["exact_ops"] = args.exact_ops
     report["weight_cache_mib"] = cached
     report["matmul_precision"] = f"{args.matmul_precision} ({native.conv_type(args.matmul_precision)})"

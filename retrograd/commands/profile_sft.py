@@ -55,8 +55,11 @@ def random_tokens(tr: Trainable, batch: int, seq: int) -> np.ndarray:
 
 
 def profile_sft(tr: Trainable, *, batch: int, seq: int, micro_batch_tokens: int, steps: int,
-                threads: int, peak_type: str = "f16") -> dict:
-    """Time `steps` steps (after one warm-up), then profile one; everything the report prints."""
+                threads: int, matmul: str = "auto") -> dict:
+    """Time `steps` steps (after one warm-up), then profile one; everything the report prints. `matmul`
+    is the engine's matmul mode: the yardsticks are ggml's product of its 16-bit type and its packed
+    kernel, where it has one."""
+    peak_type, kernel = native.conv_type(matmul), native.matmul_kernel(matmul)
     tokens = random_tokens(tr, batch, seq)
     sft_step(tr, tokens, micro_batch_tokens, 1)
     times = []
@@ -77,13 +80,14 @@ def profile_sft(tr: Trainable, *, batch: int, seq: int, micro_batch_tokens: int,
     step_s = statistics.median(times)
     graph_flops = sum(e.flops for e in entries)
     peak = native.matmul_bench(peak_type, 2048, micro_batch_tokens, 2048, threads=threads, reps=5)
-    packed = native.gemm_bench(2048, micro_batch_tokens, 2048, threads=threads, reps=5) if native.gemm_available() else 0.0
+    packed = 0.0 if kernel == "ggml" else native.gemm_bench(2048, micro_batch_tokens, 2048, kernel=kernel,
+                                                             threads=threads, reps=5)
     return {
         "model": tr.model_path.name, "batch": batch, "seq": seq, "micro_batch_tokens": micro_batch_tokens,
         "rank": tr.spec.rank, "threads": threads, "steps": steps, "step_s": step_s, "step_times": times,
         "tokens_s": n_rows / step_s, "head_s": head_s, "head_flops": head_flops,
         "graph_flops": graph_flops, "effective_flops": (graph_flops + head_flops) / step_s,
-        "peak_flops": peak, "peak_type": peak_type, "packed_flops": packed, "packed_kernel": native.gemm_kernel(),
+        "peak_flops": peak, "peak_type": peak_type, "packed_flops": packed, "packed_kernel": kernel,
         "entries": [e.__dict__ for e in entries],
     }
 
@@ -96,7 +100,7 @@ def print_report(r: dict, top: int = 30) -> None:
           f"effective = {100 * r['effective_flops'] / r['peak_flops']:.0f}% of ggml's {r['peak_type'].upper()} product "
           f"on this machine now ({r['peak_flops'] / 1e9:.1f} GFLOP/s, 2048 x {r['micro_batch_tokens']} x 2048)")
     if r.get("packed_flops"):
-        print(f"  = {100 * r['effective_flops'] / r['packed_flops']:.0f}% of retrograd's packed BF16 product, the fastest "
+        print(f"  = {100 * r['effective_flops'] / r['packed_flops']:.0f}% of retrograd's packed product, the fastest "
               f"on this machine ({r['packed_kernel']} kernel, {r['packed_flops'] / 1e9:.1f} GFLOP/s on the same shape, "
               f"operands packed beforehand)")
     if r.get("matmul_precision"):
@@ -126,15 +130,17 @@ def print_report(r: dict, top: int = 30) -> None:
 
 
 def timed_run(model: str, *, seq: int, batch: int, steps: int, micro_batch_tokens: int, rank: int = 16,
-              weight_cache_mb: int = 0) -> dict:
+              weight_cache_mb: int = 0, matmul: str = "auto") -> dict:
     """The benchmark scripts' side of a comparison, run in a process of its own so its peak RSS is
-    its own: load, one warm-up step, `steps` timed steps; medians, per-phase seconds, peak RSS."""
+    its own: load, one warm-up step, `steps` timed steps; medians, per-phase seconds, peak RSS.
+    `matmul` is [training].matmul_precision (a route may be forced to compare it)."""
     from retrograd.engine import LoraSpec, Trainable
 
     t_load = time.perf_counter()
     tr = Trainable(model, LoraSpec(rank, 2.0 * rank), seed=0)
+    tr.engine.set_matmul_mode(matmul)
     if weight_cache_mb:
-        tr.model.set_weight_cache(weight_cache_mb)
+        tr.model.set_weight_cache(weight_cache_mb, matmul)
     load_s = time.perf_counter() - t_load
     tokens = random_tokens(tr, batch, seq)
     sft_step(tr, tokens, micro_batch_tokens, 1)
@@ -148,14 +154,18 @@ def timed_run(model: str, *, seq: int, batch: int, steps: int, micro_batch_token
               for k in ("forward_ms", "head_ms", "backward_ms", "optimizer_ms", "build_ms", "alloc_ms")}
     med = statistics.median(times)
     return {"tokens_s": batch * seq / med, "step_s": med, "steps": times, "phases_s": phases, "load_s": load_s,
-            "rss_mb": peak_rss_mib(), "graph_mib": t1.graph_mib}
+            "rss_mb": peak_rss_mib(), "graph_mib": t1.graph_mib, "matmul": matmul,
+            "kernel": native.matmul_kernel(matmul)}
 
 
 
-if __name__ == "__main__":      # python -m retrograd.commands.profile_sft MODEL SEQ BATCH STEPS MB [CACHE_MB]: one JSON line
+# python -m retrograd.commands.profile_sft MODEL SEQ BATCH STEPS MB [CACHE_MB [MATMUL]]: one JSON line
+if __name__ == "__main__":
     import json
     import sys
 
     m, seq_, batch_, steps_, mb_ = sys.argv[1], *map(int, sys.argv[2:6])
     cache_ = int(sys.argv[6]) if len(sys.argv) > 6 else 0
-    print(json.dumps(timed_run(m, seq=seq_, batch=batch_, steps=steps_, micro_batch_tokens=mb_, weight_cache_mb=cache_)))
+    matmul_ = sys.argv[7] if len(sys.argv) > 7 else "auto"
+    print(json.dumps(timed_run(m, seq=seq_, batch=batch_, steps=steps_, micro_batch_tokens=mb_, weight_cache_mb=cache_,
+                               matmul=matmul_)))
