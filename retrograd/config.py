@@ -259,7 +259,8 @@ def describe() -> str:
         for sub_name, sub in subs:
             section(sub_name, sub)
 
+    defaults = Config()
     for f in dataclasses.fields(Config):
         if f.name not in ("source", "base_dir"):
-            section(f.name, f.default_factory())
+            section(f.name, getattr(defaults, f.name))
     return "\n".join(lines)

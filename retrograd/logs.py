@@ -13,6 +13,7 @@ LEVELS = {"error": logging.ERROR, "warn": logging.WARNING, "warning": logging.WA
           "debug": logging.DEBUG, "trace": logging.DEBUG, "off": logging.CRITICAL + 10}
 
 log = logging.getLogger("retrograd")
+_HANDLER = "retrograd-stderr"     # the name of the handler setup() adds, so that it adds one only
 
 
 def level_name() -> str:
@@ -31,10 +32,10 @@ def level_name() -> str:
 def setup() -> None:
     """Point the `retrograd` logger at stderr with the level of RUST_LOG / RETRO_LOG (idempotent)."""
     log.setLevel(LEVELS[level_name()])
-    if not any(getattr(h, "_retrograd", False) for h in log.handlers):
+    if not any(h.name == _HANDLER for h in log.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[%(asctime)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S"))
-        handler._retrograd = True
+        handler.name = _HANDLER
         log.addHandler(handler)
     log.propagate = False
     raw = os.environ.get("RUST_LOG") or os.environ.get("RETRO_LOG")

@@ -117,6 +117,8 @@ def _load_user(spec: str, base: Path, where: str) -> Callable:
     if not path.is_file():
         raise RewardConfigError(f"{where}.function: file not found: {path}")
     mod_spec = importlib.util.spec_from_file_location(f"retrograd_user_reward_{path.stem}", path)
+    if mod_spec is None or mod_spec.loader is None:
+        raise RewardConfigError(f"{where}.function: {path} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(mod_spec)
     try:
         mod_spec.loader.exec_module(module)

@@ -5,6 +5,7 @@ its help text and its constraints (`opt`). retrograd.config reads TOML into them
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ def opt(default: Any = None, help: str = "", *, choices: tuple = (), min: float 
         max: float | None = None, path: bool = False, tables: bool = False) -> Any:
     meta = {"help": help, "choices": choices, "min": min, "max": max, "path": path, "tables": tables}
     if isinstance(default, list):
-        return field(default_factory=lambda d=default: list(d), metadata=meta)
+        return field(default_factory=functools.partial(list, default), metadata=meta)
     return field(default=default, metadata=meta)
 
 

@@ -73,15 +73,15 @@ class OfflineTeacher:
     def targets(self, group, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         ids, lps = [], []
         for ex in group:
-            err = None
+            err: TopkFileError | None = None
             for f in self.files:
                 try:
                     i, lp = f.get(ex.line, ex.tokens, ex.n_trained)
                     break
                 except TopkFileError as exc:
                     err = err or exc
-            else:
-                raise err
+            else:   # no file holds the example: the first file's reason, or that there is no file
+                raise err or DistillError("offline distillation has no top-k file to read")
             ids.append(i[:, :self.k])
             lps.append(lp[:, :self.k])
         return np.concatenate(ids), np.concatenate(lps)

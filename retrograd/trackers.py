@@ -17,6 +17,7 @@ training run; after MAX_FAILURES errors it is dropped for the rest of the run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import math
@@ -200,7 +201,8 @@ class WandB:
         kw: dict[str, Any] = {} if os.environ.get("WANDB_DIR") else {"dir": str(out)}
         self.mode = wandb_mode()
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "retrograd", name=run_name, id=run_id,
-                              resume="allow", config=config, mode=self.mode, reinit=True,
+                              # WANDB_MODE as the user wrote it: wandb checks it, its stubs list today's modes
+                              resume="allow", config=config, mode=self.mode, reinit=True,  # type: ignore[arg-type]
                               settings=wandb.Settings(console="off", silent=True), **kw)
         self.state = {"id": run_id, "mode": self.mode, "dir": str(self.run.dir)}
         self._wandb = wandb
@@ -265,8 +267,8 @@ class Trackers:
         self.runs: dict[str, dict] = dict(old.get("runs", {}))
         self.active: list = []
         for name in names:
-            t = self._guard(name, "start", lambda name=name: KINDS[name](self.out, run_name, config,
-                                                                        self.runs.get(name)))
+            t = self._guard(name, "start", functools.partial(KINDS[name], self.out, run_name, config,
+                                                             self.runs.get(name)))
             if t is not None:
                 self.active.append(t)
                 self.runs[name] = t.state
@@ -295,7 +297,7 @@ class Trackers:
         step = int(record.get("step", 0))
         if metrics:
             for t in list(self.active):
-                self._guard(t.name, f"log at step {step}", lambda t=t: t.log(step, metrics))
+                self._guard(t.name, f"log at step {step}", functools.partial(t.log, step, metrics))
         self.forwarded = self.seen
         self._save()
 
@@ -303,12 +305,12 @@ class Trackers:
         for p in paths:
             if Path(p).is_file():
                 for t in list(self.active):
-                    self._guard(t.name, f"artifact {Path(p).name}", lambda t=t, p=p: t.artifact(Path(p)))
+                    self._guard(t.name, f"artifact {Path(p).name}", functools.partial(t.artifact, Path(p)))
 
     def finish(self, ok: bool = True) -> int:
         """Close every tracker run; returns the number of tracker errors in the run (resumes included)."""
         for t in list(self.active):
-            self._guard(t.name, "finish", lambda t=t: t.finish(ok))
+            self._guard(t.name, "finish", functools.partial(t.finish, ok))
         self.active = []
         self._save()
         return sum(self.errors.values())

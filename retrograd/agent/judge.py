@@ -117,6 +117,8 @@ class LocalJudge(Judge):
         from retrograd.data.chat import format_for
         from retrograd.generation.llama import Generator
 
+        if cfg.local_model is None:
+            raise ConfigError("[agent.judge]: a local judge needs local_model (a GGUF)")
         self.gen = Generator(Path(cfg.local_model), n_ctx=ctx, threads=threads, device=device)
         self.chat = format_for(self.gen.tokenizer)
 

@@ -112,8 +112,8 @@ def _read_timeout(seconds: float) -> Any:
 
 def _leaf(exc: BaseException) -> BaseException:
     """The first real exception inside (nested) exception groups."""
-    while getattr(exc, "exceptions", None):
-        exc = exc.exceptions[0]
+    while inner := getattr(exc, "exceptions", None):   # ExceptionGroup is a builtin from 3.11 on
+        exc = inner[0]
     return exc
 
 
@@ -255,7 +255,10 @@ class McpServer:
         try:
             from mcp.client.streamable_http import streamable_http_client as http_client
         except ImportError:  # older mcp 1.x
-            from mcp.client.streamable_http import streamablehttp_client as http_client
+            # the 1.x name, absent from the mcp 2 that type checking sees
+            from mcp.client.streamable_http import (  # type: ignore[attr-defined,no-redef]
+                streamablehttp_client as http_client,
+            )
         return http_client(str(self.spec.url))
 
     async def _run(self, ready: asyncio.Future, stop: asyncio.Event, dead: asyncio.Event) -> None:

@@ -22,7 +22,7 @@ from retrograd.agent.scenarios import Scenario
 from retrograd.agent.tools import ToolBox
 from retrograd.agent.verify import discard_state, fresh_state
 from retrograd.data.chat import ChatFormat
-from retrograd.generation.conversation import prompt_text, read_reply, tool_message
+from retrograd.generation.conversation import Reply, prompt_text, read_reply, tool_message
 from retrograd.generation.llama import Completion, Generator, SamplingParams
 
 #: why a conversation ended
@@ -122,7 +122,7 @@ def rollout(env: AgentEnv, scenarios: list[Scenario], params: list[SamplingParam
                                       max(1, min(params[k].max_new_tokens, room)), params[k].seed + 7919 * _turn,
                                       params[k].stop) for k in active]
         outs = env.gen.generate_each(seqs, turn_params)
-        pending: list[tuple[int, list]] = []
+        pending: list[tuple[int, Reply, Completion]] = []
         for k, out in zip(list(active), outs):
             t = trajs[k]
             t.turns += 1
@@ -160,7 +160,7 @@ def rollout(env: AgentEnv, scenarios: list[Scenario], params: list[SamplingParam
     return trajs
 
 
-def _run_tools(env: AgentEnv, trajs: list[Trajectory], pending: list) -> None:
+def _run_tools(env: AgentEnv, trajs: list[Trajectory], pending: list[tuple[int, Reply, Completion]]) -> None:
     """Run every call of this turn (all conversations at once) and append the tool messages. Calls
     to unknown tools and unreadable calls get an error message back, so the model can recover."""
     calls, where = [], []

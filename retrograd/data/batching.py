@@ -29,13 +29,13 @@ def train_and_eval(cfg, load, what: str, notes: list[str], train: Path | None = 
     (items, LoadReport); a note per file."""
     items, report = load(Path(train or cfg.data.train))
     notes.append(f"train {what}: {report.summary()}")
-    train, held = split_holdout(items, cfg.data.eval_split, cfg.run.seed)
+    kept, held = split_holdout(items, cfg.data.eval_split, cfg.run.seed)
     if cfg.evaluation.data:
         held, er = load(Path(cfg.evaluation.data))
         notes.append(f"eval {what}: {er.summary()}")
     elif held:
         notes.append(f"eval {what}: {len(held)} examples held out of the training data")
-    return train, held
+    return kept, held
 
 
 def split_holdout(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:

@@ -159,6 +159,8 @@ def read_jsonl(path: Path, fmt: str = "auto", *, skip_bad: bool = False,
 
 
 def tokenize_record(rec: dict, fmt: str, tok, chat: ChatFormat) -> tuple[list[int], list[bool]]:
+    ids: list[int]
+    mask: list[bool]
     if fmt == "text":
         ids = tok.encode(rec["text"], add_bos=tok.add_bos, special=False) + [tok.eos_id]
         mask = [True] * len(ids)
@@ -169,8 +171,7 @@ def tokenize_record(rec: dict, fmt: str, tok, chat: ChatFormat) -> tuple[list[in
         p = tok.encode(rec["prompt"], add_bos=tok.add_bos, special=False)
         c = tok.encode(rec["completion"], special=False) + [tok.eos_id]
         return p + c, [False] * len(p) + [True] * len(c)
-    ids: list[int] = []
-    mask: list[bool] = []
+    ids, mask = [], []
     for k, (text, trained) in enumerate(chat.segments(rec["messages"], rec.get("tools"))):
         add_bos = k == 0 and tok.add_bos and not (chat.bos_token and text.startswith(chat.bos_token))
         seg = tok.encode(text, add_bos=add_bos, special=True)

@@ -36,6 +36,12 @@ class Pair:
     truncated: bool = False
     ref: tuple[float, float] | None = None     # the reference policy's (chosen, rejected) sums, once known
 
+    def known_ref(self) -> tuple[float, float]:
+        """`ref`, which the losses measured against the reference policy read once it is computed."""
+        if self.ref is None:
+            raise RuntimeError(f"line {self.line}: the pair's reference log-probs were not computed")
+        return self.ref
+
     @property
     def tokens(self) -> np.ndarray:           # for token-budgeted batches
         return np.concatenate([self.prompt, self.chosen, self.rejected])
@@ -94,9 +100,10 @@ def tokenize_pair(rec: dict, tok, chat: ChatFormat, max_length: int, line: int =
     if tools is not None and not isinstance(tools, list):
         raise ValueError('"tools" must be a list of tool schemas')
     fmt = "tools" if tools else "chat"
-    tc, mc = tokenize_record({"messages": chosen, "tools": tools}, fmt, tok, chat)
-    tr, mr = tokenize_record({"messages": rejected, "tools": tools}, fmt, tok, chat)
-    tc, mc, tr, mr = np.asarray(tc, np.int32), np.asarray(mc, bool), np.asarray(tr, np.int32), np.asarray(mr, bool)
+    ids_c, mask_c = tokenize_record({"messages": chosen, "tools": tools}, fmt, tok, chat)
+    ids_r, mask_r = tokenize_record({"messages": rejected, "tools": tools}, fmt, tok, chat)
+    tc, mc = np.asarray(ids_c, np.int32), np.asarray(mask_c, bool)
+    tr, mr = np.asarray(ids_r, np.int32), np.asarray(mask_r, bool)
     if not mc.any() or not mr.any():
         raise ValueError("an answer rendered to no trained tokens")
     start = min(int(np.argmax(mc)), int(np.argmax(mr)))

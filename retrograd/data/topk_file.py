@@ -25,6 +25,7 @@ import hashlib
 import json
 import struct
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -61,33 +62,40 @@ class TopkWriter:
         self.dtype = id_dtype(int(header["n_vocab"]))
         self.header["id_dtype"] = self.dtype.name
         self.index: list[tuple[int, int]] = []
-        self.fh = None
+        self.fh: BinaryIO | None = None        # open between __enter__ and __exit__
         self._stack = contextlib.ExitStack()
+
+    def _open_file(self) -> BinaryIO:
+        if self.fh is None:
+            raise RuntimeError("TopkWriter writes inside its `with` block only")
+        return self.fh
 
     def __enter__(self) -> TopkWriter:
         # an interrupted run leaves FILE.topk.tmp (no footer: readers refuse it) and never FILE.topk
-        self.fh = self._stack.enter_context(atomic_open(self.path, keep_partial=True))
+        self.fh = fh = self._stack.enter_context(atomic_open(self.path, keep_partial=True))
         h = json.dumps(self.header, sort_keys=True).encode()
-        self.fh.write(MAGIC + struct.pack("<I", len(h)) + h)
+        fh.write(MAGIC + struct.pack("<I", len(h)) + h)
         return self
 
     def add(self, line: int, tokens: np.ndarray, ids: np.ndarray, logp: np.ndarray) -> None:
         n = ids.shape[0]
         if ids.shape != (n, self.k) or logp.shape != (n, self.k):
             raise ValueError(f"expected [{n}, {self.k}] ids and log-probs, got {ids.shape} and {logp.shape}")
-        self.index.append((line, self.fh.tell()))
-        self.fh.write(_REC.pack(line, len(tokens), token_hash(tokens), n, 0))
-        self.fh.write(np.ascontiguousarray(ids, self.dtype).tobytes())
-        self.fh.write(np.ascontiguousarray(logp, "<f4").tobytes())
+        fh = self._open_file()
+        self.index.append((line, fh.tell()))
+        fh.write(_REC.pack(line, len(tokens), token_hash(tokens), n, 0))
+        fh.write(np.ascontiguousarray(ids, self.dtype).tobytes())
+        fh.write(np.ascontiguousarray(logp, "<f4").tobytes())
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
-            at = self.fh.tell()
+            fh = self._open_file()
+            at = fh.tell()
             idx = np.zeros(len(self.index), _INDEX)
             if self.index:
                 idx["line"], idx["offset"] = zip(*self.index)
-            self.fh.write(idx.tobytes())
-            self.fh.write(_FOOT.pack(at, len(self.index), END))
+            fh.write(idx.tobytes())
+            fh.write(_FOOT.pack(at, len(self.index), END))
         self._stack.__exit__(exc_type, exc, tb)
 
 

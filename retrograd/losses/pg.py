@@ -46,6 +46,8 @@ class PGConfig:
 
 def token_weights(b: PGBatch, c: PGConfig) -> np.ndarray:
     if c.variant in ("grpo", "gspo"):
+        if c.lengths is None:
+            raise ValueError(f"loss variant {c.variant} weights a token by its sequence's length: set lengths")
         return 1.0 / (c.n_seqs * c.lengths[b.seq])
     if c.variant == "dr_grpo":
         return np.full(len(b.logp), 1.0 / (c.n_seqs * c.max_new_tokens))

@@ -38,6 +38,12 @@ class PairStats:
     rc: np.ndarray | None = None
     rr: np.ndarray | None = None
 
+    def reference(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """(rc, rr), which the losses measured against the reference policy need."""
+        if self.rc is None or self.rr is None:
+            raise ValueError(f"{kind} needs the reference log-probs")
+        return self.rc, self.rr
+
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return np.exp(-np.logaddexp(0.0, -x))
@@ -56,15 +62,15 @@ def preference_loss(s: PairStats, kind: str, beta: float, *, gamma: float = 0.5,
         raise ValueError(f"preference loss must be one of {', '.join(LOSSES)}, got {kind!r}")
     pc, pr = s.pc.astype(np.float64), s.pr.astype(np.float64)
     nc, nr = np.maximum(s.nc, 1).astype(np.float64), np.maximum(s.nr, 1).astype(np.float64)
-    if kind in ("dpo", "ipo") and (s.rc is None or s.rr is None):
-        raise ValueError(f"{kind} needs the reference log-probs")
     if kind == "dpo":
-        z = beta * ((pc - s.rc) - (pr - s.rr))
+        rc, rr = s.reference(kind)
+        z = beta * ((pc - rc) - (pr - rr))
         per = np.logaddexp(0.0, -z)
         d = -beta * _sigmoid(-z)
         gc, gr = d, -d
     elif kind == "ipo":
-        h = (pc - s.rc) / nc - (pr - s.rr) / nr
+        rc, rr = s.reference(kind)
+        h = (pc - rc) / nc - (pr - rr) / nr
         e = h - 1.0 / (2.0 * beta)
         per = e * e
         gc, gr = 2.0 * e / nc, -2.0 * e / nr
@@ -92,9 +98,11 @@ def implicit_rewards(s: PairStats, kind: str, beta: float) -> tuple[np.ndarray, 
     pc, pr = s.pc.astype(np.float64), s.pr.astype(np.float64)
     nc, nr = np.maximum(s.nc, 1), np.maximum(s.nr, 1)
     if kind == "dpo":
-        return beta * (pc - s.rc), beta * (pr - s.rr)
+        rc, rr = s.reference(kind)
+        return beta * (pc - rc), beta * (pr - rr)
     if kind == "ipo":
-        return (pc - s.rc) / nc, (pr - s.rr) / nr
+        rc, rr = s.reference(kind)
+        return (pc - rc) / nc, (pr - rr) / nr
     if kind == "simpo":
         return beta * pc / nc, beta * pr / nr
     mc, mr = pc / nc, pr / nr
@@ -122,7 +130,8 @@ def stats_for(chunk: list[Pair], logp: np.ndarray, owner: np.ndarray, w: np.ndar
     nr = np.array([p.rejected_w.sum() for p in chunk])
     if not need_ref:
         return PairStats(pc, pr, nc, nr)
-    return PairStats(pc, pr, nc, nr, np.array([p.ref[0] for p in chunk]), np.array([p.ref[1] for p in chunk]))
+    refs = [p.known_ref() for p in chunk]
+    return PairStats(pc, pr, nc, nr, np.array([r[0] for r in refs]), np.array([r[1] for r in refs]))
 
 
 def pair_loss(chunk: list[Pair], logp: np.ndarray, owner: np.ndarray, w: np.ndarray, p, need_ref: bool,
