@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny synthetic GGUF models (fast, exact) and the real models (integration)."""
+"""Shared fixtures: tiny synthetic GGUF models (fast, exact) and the real models (integration); a test
+that uses a real model is marked `slow`, so the fast tier, `pytest -m "not slow"`, never loads one."""
 
 from __future__ import annotations
 
@@ -18,6 +19,20 @@ from retrograd import models  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 THREADS = min(2, os.cpu_count() or 1)
+#: the fixtures that hand out a real model: every test that uses one, directly or through another fixture, is
+#: `slow`, so the fast tier (`pytest -m "not slow"`) runs on the synthetic models only
+REAL_MODEL_FIXTURES = frozenset({"smollm", "gemma"})
+
+
+def slow_case(*values: object) -> object:
+    """A parametrize case that only the full suite runs (the fast tier keeps the cheapest case)."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

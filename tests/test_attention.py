@@ -75,6 +75,7 @@ def test_tiled_attention_matches_the_dense_ops(tiny, arch, recompute):
         assert err < 1e-4, f"{arch} {name}: relative difference {err:.2e}"
 
 
+@pytest.mark.slow          # finite differences over every attention input: a minute on gemma3
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_tiled_attention_gradients_match_finite_differences(tiny, arch):
     """The tiled backward (dQ, dK, dV from recomputed probabilities) is the gradient of the tiled

@@ -209,6 +209,7 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow          # an online run, the teacher's file, an offline run
 def test_distill_run_lowers_kl_and_offline_equals_online(tiny, tmp_path):
     student, teacher = tiny("llama", seed=0), tiny("llama", seed=7)
     on, off = tmp_path / "on", tmp_path / "off"
@@ -285,6 +286,7 @@ def test_teacher_topk_equals_student_topk_for_the_same_model(tiny):
     np.testing.assert_array_equal(a[1], b[1])
 
 
+@pytest.mark.slow          # three training runs
 def test_distill_resume_matches_uninterrupted(tiny, tmp_path):
     student, teacher = tiny("llama", seed=0), tiny("llama", seed=7)
     a, b = tmp_path / "a", tmp_path / "b"

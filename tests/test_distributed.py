@@ -33,6 +33,9 @@ from retrograd.trainer import train
 
 pytest.importorskip("ray", reason="Ray is part of the test extra (pip install -e '.[test]')")
 
+#: a test that starts a local Ray cluster is `slow`; the in-process Replica and the refusals are not
+STARTS_RAY = pytest.mark.slow
+
 RAY = """
 [distributed]
 backend = "ray"
@@ -102,6 +105,7 @@ def sft_pair(tiny, tmp_path_factory):
     return out
 
 
+@STARTS_RAY
 def test_sft_on_two_workers_equals_one_process(sft_pair):
     one, ray = sft_pair["one"], sft_pair["ray"]
     la, lb = losses(one), losses(ray)
@@ -120,6 +124,7 @@ def test_sft_on_two_workers_equals_one_process(sft_pair):
     assert sorted(pids) == ["0", "1"] and len(set(pids.values())) == 2
 
 
+@STARTS_RAY
 def test_grpo_samples_on_the_workers_and_resumes_exactly(tiny, tmp_path):
     model = tiny("qwen3", n_layer=2)
     runs = {}
@@ -179,6 +184,7 @@ def long_run(d: Path, model: Path) -> Path:
     return make_run(d, model, steps=60, every=20, extra=RAY.format(check=5))
 
 
+@STARTS_RAY
 def test_a_killed_worker_is_replaced_and_the_result_is_unchanged(tiny, tmp_path):
     model = tiny("llama")
     (tmp_path / "a").mkdir()
@@ -193,6 +199,7 @@ def test_a_killed_worker_is_replaced_and_the_result_is_unchanged(tiny, tmp_path)
     assert (tmp_path / "a/runs/t/adapter.gguf").read_bytes() == (run / "adapter.gguf").read_bytes()
 
 
+@STARTS_RAY
 def test_a_killed_driver_is_a_resumable_crash(tiny, tmp_path):
     model = tiny("llama")
     cfg = long_run(tmp_path, model)
@@ -235,6 +242,7 @@ def test_without_ray_the_error_says_how_to_install_it(tiny, tmp_path, monkeypatc
         train(open_model(cfg))
 
 
+@STARTS_RAY
 def test_profile_shows_each_worker_and_the_communication(tiny, tmp_path):
     cfg = make_run(tmp_path, tiny("llama"), steps=4, extra=RAY.format(check=0))
     cmd = [sys.executable, "-m", "retrograd.commands.profile", str(cfg), "--steps", "2", "--threads", str(THREADS)]
@@ -262,6 +270,7 @@ def test_distributed_keys_are_checked(tmp_path, body, key):
         load(cfg)
 
 
+@STARTS_RAY
 def test_ppo_samples_on_the_workers_and_keeps_its_gradients_here(tiny, tmp_path):
     """PPO's value head trains inside its loss, in the driver: its rollouts are split between the
     workers, its gradients are not; a batch's two updates equal the one-process run's, the adapter
@@ -297,6 +306,7 @@ def test_ppo_samples_on_the_workers_and_keeps_its_gradients_here(tiny, tmp_path)
     assert heads[0] == heads[1] and heads[0]["t"] == 2
 
 
+@STARTS_RAY
 def test_without_replacements_the_survivors_carry_on(tiny, tmp_path):
     """max_restarts = 0: a killed worker is not replaced; the step is redone on the survivor and the
     run ends with the adapter of the same run on one worker's split (float32 sums aside)."""

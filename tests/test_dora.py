@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import THREADS
+from conftest import THREADS, slow_case
 from gradcheck import fd_check, randomize_adapter
 from llama_ref import llama, next_token_logprobs
 from reference import RefModel
@@ -95,8 +95,8 @@ def test_dora_forward_equals_the_float64_reference(tiny, arch, mode):
 
 # the rewritten graph is not checked on gemma3: its forward uses ggml's fused GELU, which reads a
 # float16 table, so finite differences of it do not converge (plain LoRA too: 0.2 relative error)
-@pytest.mark.parametrize(("arch", "exact"), [("llama", True), ("qwen3", True), ("gemma3", True),
-                                             ("llama", False), ("qwen3", False)])
+@pytest.mark.parametrize(("arch", "exact"), [("llama", True), slow_case("qwen3", True), slow_case("gemma3", True),
+                                             slow_case("llama", False), slow_case("qwen3", False)])
 def test_dora_gradients_match_finite_differences(tiny, arch, exact):
     """Magnitude and direction (A, B, through the row norm too) against central differences: with
     ggml's own ops, and with the rewritten graph and retrograd's CPU kernels."""
@@ -294,6 +294,7 @@ def test_merged_formats_on_smollm(smollm, tmp_path):
     assert kept["base"] < 0.5 and gap["base"] > 0.3 * moved, (kept, gap)     # measured 13% kept, 1.24 of 1.69 nats
 
 
+@pytest.mark.slow          # a 12-step DPO run, its reference and evaluations on DoRA
 def test_dora_preference_run_learns_against_the_base_as_reference(tiny, tmp_path):
     import json
 

@@ -141,6 +141,7 @@ def test_refusals_are_one_line(tiny, tmp_path):
     assert not (tmp_path / "o.gguf").exists() and (tmp_path / "exists.gguf").read_bytes() == b"x"
 
 
+@pytest.mark.slow          # a training run, then four exports
 def test_checkpoint_best_latest_and_step_n_export_that_checkpoint(tiny, tmp_path):
     """A real run with checkpoints (step-4, step-6, best): --checkpoint step-N, latest and best each
     export their checkpoint's adapter (llama.cpp on the file matches llama.cpp on base + that adapter,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import THREADS
+from conftest import THREADS, slow_case
 
 from retrograd import native
 from retrograd.config import load
@@ -70,7 +70,8 @@ def metrics(d: Path) -> list[dict]:
     return [json.loads(x) for x in (d / "runs/g/metrics.jsonl").read_text().splitlines() if '"loss"' in x]
 
 
-@pytest.mark.parametrize("loss", ["grpo", "dapo", "gspo", "dr_grpo"])
+# the other variants differ only in the policy loss, which test_algorithms checks variant by variant
+@pytest.mark.parametrize("loss", ["grpo", slow_case("dapo"), slow_case("gspo"), slow_case("dr_grpo")])
 def test_grpo_runs_and_logs(tiny, tmp_path, loss):
     cfg = load(make_run(tmp_path, tiny("llama", n_layer=2), steps=3, loss=loss))
     summary = train(open_model(cfg))
@@ -148,6 +149,7 @@ def test_grpo_samples_a_q4_1_model_from_its_split_copy_by_default(tiny, tmp_path
     assert max(gaps["auto"]) < 1.5 * max(gaps["native"]) + 0.01, gaps
 
 
+@pytest.mark.slow          # three training runs per case
 @pytest.mark.parametrize("iterations, stop", [(1, 2), (2, 3)])
 def test_grpo_resume_matches_uninterrupted(tiny, tmp_path, iterations, stop):
     model = tiny("qwen3", n_layer=2)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import THREADS
+from conftest import THREADS, slow_case
 from gradcheck import fd_check, randomize_adapter
 from llama_ref import llama, next_token_logprobs
 from reference import RefModel, dropout_mask
@@ -125,6 +125,7 @@ def test_packed_sequences_do_not_see_each_other(tiny):
     np.testing.assert_allclose(both, np.concatenate([la, lb]), atol=2e-5)
 
 
+@pytest.mark.slow          # the real models, requested by name (conftest marks only fixtures named in the signature)
 @pytest.mark.parametrize("model", ["smollm", "gemma"])
 def test_forward_parity_with_llama_cpp(request, model, tmp_path):
     path = request.getfixturevalue(model)
@@ -200,7 +201,7 @@ def test_fresh_adapter_leaves_model_unchanged(tiny):
 
 
 # ---- gradients -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", [slow_case("llama"), slow_case("qwen2"), "qwen3", slow_case("gemma3")])
 def test_lora_gradients_match_finite_differences(tiny, arch):
     path = tiny(arch, n_layer=2, n_embd=32, n_head=4, n_head_kv=2, n_ff=48, n_vocab=270)
     tr = Trainable(path, LoraSpec(4, 8.0), threads=THREADS)
@@ -487,6 +488,7 @@ def test_lora_plus_gives_b_its_own_learning_rate(tiny):
             np.testing.assert_allclose(x, p[k], rtol=1e-4, atol=1e-6, err_msg=f"{k} at step {step}")
 
 
+@pytest.mark.slow          # finite differences over every adapter tensor of gemma3
 def test_embedding_noise_is_a_constant_input_with_exact_gradients(tiny):
     """NEFTune's noise enters the graph as an input added to the looked-up embeddings: zero noise is the
     plain model bit for bit, other noise changes the log-probs, and the adapter's gradient with a fixed
@@ -549,6 +551,7 @@ def test_lora_dropout_masks_equal_the_numpy_twin(tiny, arch):
         tr.logprobs(batch(1.0, seed))
 
 
+@pytest.mark.slow          # finite differences, once per dropout mask
 @pytest.mark.parametrize("exact", [True, False])
 def test_lora_dropout_gradients_match_finite_differences(tiny, exact):
     """With a fixed mask (a fixed seed), the adapter's gradient through dropout matches central

@@ -68,6 +68,7 @@ def test_ppo_runs_and_the_value_head_learns(tiny, tmp_path):
     assert head["t"] == 6 and any(abs(x) > 0 for x in head["u"])
 
 
+@pytest.mark.slow          # three training runs
 def test_ppo_resume_matches_uninterrupted(tiny, tmp_path):
     model = tiny("llama", n_layer=2)
     a, b = tmp_path / "a", tmp_path / "b"

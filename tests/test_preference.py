@@ -187,6 +187,7 @@ def test_bench_says_plainly_that_it_is_not_supported(tmp_path, algorithm):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow          # three training runs
 def test_preference_resume_matches_uninterrupted(tiny, tmp_path):
     model = tiny("llama")
     a, b = tmp_path / "a", tmp_path / "b"

@@ -24,6 +24,8 @@ from retrograd.data.chat import format_for
 from retrograd.generation.conversation import encode_prompt, read_reply
 from retrograd.generation.llama import Generator, SamplingParams
 
+pytestmark = pytest.mark.slow       # every test starts a server
+
 PROMPT = [{"role": "user", "content": "Say the word number 3."}]
 RECORDS = [{"messages": [{"role": "user", "content": f"Say the word number {i}."},
                          {"role": "assistant", "content": f"Word {i}: {'alpha beta gamma delta'.split()[i % 4]}"}]}

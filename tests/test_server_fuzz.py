@@ -16,6 +16,8 @@ from test_server import Server
 
 from retrograd.config import tomllib
 
+pytestmark = pytest.mark.slow       # a server answering a few hundred requests
+
 OK = {200, 201, 400, 401, 404, 409, 413, 429, 503}
 SEEN: Counter = Counter()       # statuses of the chat fuzz: it must reach real completions too
 SCALARS = st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) | st.text(max_size=20)

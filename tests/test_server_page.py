@@ -15,6 +15,7 @@ import pytest
 from test_server import Server, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow       # a browser and a server
 
 if os.environ.get("RETRO_NO_BROWSER") == "1":
     pytest.skip("RETRO_NO_BROWSER=1", allow_module_level=True)

@@ -125,6 +125,7 @@ def test_sigkill_and_resume_follow_the_same_trajectory(smollm, tmp_path):
     assert ga == gb
 
 
+@pytest.mark.slow          # three training runs, one of 8 steps
 def test_a_fresh_run_sets_the_earlier_run_aside(tiny, tmp_path):
     """Training again into a run directory (without --resume) starts a new record: the earlier run's
     metrics, adapter and checkpoints move to previous/1/, so its higher-step checkpoints neither get
@@ -169,6 +170,7 @@ def test_checkpoint_writes_are_atomic(tiny, tmp_path):
     assert any(k.startswith("m:") for k in opt.files)
 
 
+@pytest.mark.slow          # three training runs
 def test_neftune_noise_scale_and_exact_resume(tiny, tmp_path):
     from retrograd.algorithms.sft import neftune_noise
 
@@ -189,6 +191,7 @@ def test_neftune_noise_scale_and_exact_resume(tiny, tmp_path):
     assert (run / "adapter.gguf").read_bytes() == whole                                   # and resumes exactly
 
 
+@pytest.mark.slow          # three training runs
 def test_lora_dropout_trains_resumes_exactly_and_stays_out_of_evaluation(tiny, tmp_path):
     from retrograd.eval.nll import evaluate_nll
 
