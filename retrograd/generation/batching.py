@@ -44,10 +44,12 @@ def serving_generator(model_path, *, n_ctx: int, parallel: int, threads: int | N
     those whose cells are kept), a KV cache of parallel x n_ctx cells (every live sequence may reach
     n_ctx; kept cells give way first). `weights`: [serving].generator_weights (weights.py), `dora`:
     whether a DoRA adapter will be applied (the generator then loads merged models, never a copy)."""
-    from retrograd import native
+    path = Path(model_path)
+    if weights != "native":            # the device is asked only when a copy may be made
+        from retrograd import native
 
-    on_cpu = native.select_device(device).kind == "cpu"
-    path = generator_model(Path(model_path), weights, threads or os.cpu_count() or 1, on_cpu=on_cpu, dora=dora)
+        on_cpu = native.select_device(device).kind == "cpu"
+        path = generator_model(path, weights, threads or os.cpu_count() or 1, on_cpu=on_cpu, dora=dora)
     return Generator(path, n_ctx=n_ctx, n_seq=2 * parallel, threads=threads, device=device,
                      kv_cells=parallel * n_ctx)
 
