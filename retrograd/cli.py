@@ -23,12 +23,10 @@ COMMAND_MODULES = ("train", "bench", "chat", "serve", "export", "distill_teacher
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="retrograd",
-        description="Fine-tune quantized GGUF language models on the hardware you have: LoRA adapters trained "
-                    "directly on the quantized weights, with SFT, GRPO, PPO, distillation and preference training "
-                    "(DPO, IPO, SimPO, ORPO), evaluation, chat and an OpenAI-compatible server.",
-        epilog=COMMON + " Environment: RETRO_THREADS overrides training.threads; RETRO_REQUIRE_GPU_RESIDENT=1 equals "
+    description = ("Fine-tune quantized GGUF language models on the hardware you have: LoRA adapters trained "
+                   "directly on the quantized weights, with SFT, GRPO, PPO, distillation and preference training "
+                   "(DPO, IPO, SimPO, ORPO), evaluation, chat and an OpenAI-compatible server.")
+    epilog = (COMMON + " Environment: RETRO_THREADS overrides training.threads; RETRO_REQUIRE_GPU_RESIDENT=1 equals "
                         "training.require_gpu_resident; RETRO_FAST_TOP_P=1 uses a faster top-p selection (ties may "
                         "resolve differently); RETRO_DEVICE_SAMPLING and RETRO_DEVICE_LOGPROBS, which the "
                         "specification names, are not read (sampling and its log-probs are computed on the host "
@@ -38,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "RETRO_API_KEY are retrograd-server's defaults. Manual pages: man retrograd, man "
                         "retrograd-COMMAND. Exit status: 0 success, 1 a failure (data, model, "
                         "checkpoint, device), 2 a configuration or usage mistake, 130 interrupted.")
+    ap = argparse.ArgumentParser(prog="retrograd", description=description, epilog=epilog)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:          # each declares its commands, their flags and the function that runs them
         importlib.import_module(f"retrograd.commands.{name}").add_parser(sub)
@@ -50,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
             listing.append(textwrap.fill(usage, 100, initial_indent="  ", subsequent_indent="      ",
                                          break_on_hyphens=False))
     ap.formatter_class = argparse.RawDescriptionHelpFormatter
-    ap.description = textwrap.fill(ap.description, 100)
-    ap.epilog = "\n".join(listing) + "\n\n" + "\n\n".join(textwrap.fill(par, 100) for par in ap.epilog.split("\n\n"))
+    ap.description = textwrap.fill(description, 100)
+    ap.epilog = "\n".join(listing) + "\n\n" + "\n\n".join(textwrap.fill(par, 100) for par in epilog.split("\n\n"))
     return ap
 
 

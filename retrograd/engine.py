@@ -105,10 +105,13 @@ class Trainable(native.Closeable):
         for t in self.lora.tensors:
             if f.tensors[t.name].shape != t.shape:
                 raise adapter_io.AdapterError(f"{path}: {t.name} has shape {f.tensors[t.name].shape}, expected {t.shape}")
-        if reference and self.reference is None:
-            self.reference = native.Lora(self.model, self.spec.targets, self.spec.rank, self.spec.effective_alpha,
-                                         dora=self.spec.dora)
-        for dst in (self.lora, self.reference) if reference else (self.lora,):
+        dsts = [self.lora]
+        if reference:
+            if self.reference is None:
+                self.reference = native.Lora(self.model, self.spec.targets, self.spec.rank, self.spec.effective_alpha,
+                                             dora=self.spec.dora)
+            dsts.append(self.reference)
+        for dst in dsts:
             for t in dst.tensors:
                 dst.write(t.index, f.tensors[t.name])
 

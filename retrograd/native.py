@@ -575,8 +575,8 @@ class Engine(_Handle):
         tlp = np.zeros(max(n, 1), np.float32) if targets else None
         _check(lib.rg_engine_topk(self._ptr, lora._ptr if lora is not None else ffi.NULL, self._batch(batch), k,
                                   _ptr(ids, "int32_t *"), _ptr(lp, "float *"),
-                                  _ptr(tlp, "float *") if targets else ffi.NULL))
-        return ids[:n], lp[:n], (tlp[:n] if targets else None)
+                                  _ptr(tlp, "float *") if tlp is not None else ffi.NULL))
+        return ids[:n], lp[:n], (tlp[:n] if tlp is not None else None)
 
     def accumulate(self, lora: Lora, batch: Batch, fn: CoeffFn, entropy: bool = False,
                    hidden: bool = False) -> np.ndarray:

@@ -175,7 +175,7 @@ class Trainer:
                 self.hook.gradients_done()
             else:
                 for mb in work.micro:
-                    tr.accumulate(mb.batch, lambda inp, mb=mb: mb.loss(inp, tally),
+                    tr.accumulate(mb.batch, mb.coefficients(tally),
                                   entropy=mb.want_entropy, hidden=mb.want_hidden)
                 self.hook.gradients_done()
                 gnorm = tr.optimizer_step(**hp)
@@ -248,7 +248,7 @@ class Trainer:
     def checkpoint_with_best(self, rec: dict) -> Path:
         value = rec.get(self.best_key)
         improved = self.is_better(value)
-        if improved:
+        if improved and value is not None:       # is_better is False for None
             self.best = float(value)
         path = self.save()
         if improved:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Literal, overload
 
 from retrograd.agent import endpoint
 from retrograd.config import Config, JudgeSection
@@ -131,6 +132,14 @@ class LocalJudge(Judge):
         temp = self.cfg.temperature if attempt == 0 else max(self.cfg.temperature, 0.7)
         out = self.gen.generate(ids, [SamplingParams(temp, 1.0, 0, self.cfg.max_tokens, attempt)])[0]
         return out.text
+
+
+@overload
+def build_judge(cfg: Config, gen=None, chat=None, *, required: Literal[True], example=None) -> Judge: ...
+
+
+@overload
+def build_judge(cfg: Config, gen=None, chat=None, *, required: bool = False, example=None) -> Judge | None: ...
 
 
 def build_judge(cfg: Config, gen=None, chat=None, *, required: bool = False, example=None) -> Judge | None:

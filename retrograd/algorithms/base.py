@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from retrograd.batch import Batch, LossInputs, LossOutputs, Tally  # noqa: F401 - Tally re-exported
+from retrograd.batch import Batch, CoeffFn, LossInputs, LossOutputs, Tally  # noqa: F401 - Tally re-exported
 from retrograd.context import RunContext
 from retrograd.data.batching import ExampleStream
 
@@ -29,6 +29,10 @@ class MicroBatch:
     loss: Callable[[LossInputs, Tally], LossOutputs]
     want_entropy: bool = False
     want_hidden: bool = False
+
+    def coefficients(self, tally: Tally) -> CoeffFn:
+        """The function the engine calls with the targets' log-probs: loss, recording in `tally`."""
+        return lambda inp: self.loss(inp, tally)
 
 
 @dataclass

@@ -31,6 +31,8 @@ class Distill(SFT):
         super().__init__(run, generators)
         d = run.cfg.distill
         self.d = d
+        self.source: OfflineTeacher | OnlineTeacher
+        self.eval_source: OfflineTeacher | OnlineTeacher | None
         if d.teacher_file:
             files = [TopkFile(Path(d.teacher_file))]
             if d.eval_teacher_file:

@@ -76,7 +76,7 @@ class GRPO(RolloutRecipe):
             for k, v in sc.per_fn.items():
                 per[k] += v
             comps = []
-            for o, r in zip(outs, sc.total):
+            for o, reward in zip(outs, sc.total):
                 comp, lp = o.trained()
                 if not comp:      # nothing generated (immediate stop at the context limit): nothing to learn
                     continue
@@ -84,7 +84,7 @@ class GRPO(RolloutRecipe):
                 lengths.append(len(comp))
                 slogp.append(np.asarray(lp, np.float64))
                 groups.append(pi)
-                rewards.append(r)
+                rewards.append(reward)
             if comps:
                 groups_out.append(Group(prompt.tokens, comps))
         self.rollout_index += 1

@@ -9,7 +9,7 @@ the head's gradient, so the adapter learns from both losses."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -39,11 +39,11 @@ class ValueHead:
     """v = h . u + b with AdamW moments; all float64 on the host."""
 
     u: np.ndarray
-    b: float = 0.0
-    m: np.ndarray = field(default=None)
-    v: np.ndarray = field(default=None)
-    t: int = 0
-    grad: np.ndarray = field(default=None)
+    b: float
+    m: np.ndarray
+    v: np.ndarray
+    t: int
+    grad: np.ndarray
 
     @classmethod
     def new(cls, n_embd: int) -> ValueHead:
@@ -105,6 +105,7 @@ class PPO(RolloutRecipe):
             batch, owner = to_batch(group)
             cur = tr.logprobs(batch, hidden=True)
             base = tr.reference_logprobs(batch)
+            assert cur.hidden is not None, "asked for with hidden=True"
             v = self.value(cur.hidden[batch.target_rows])
             for s, e in enumerate(group):
                 m = owner == s
@@ -172,6 +173,7 @@ class PPO(RolloutRecipe):
             rows = batch.target_rows
 
             def loss(inp: LossInputs, tally: Tally, adv=adv, ret=ret, old=old, oldv=oldv, rows=rows) -> LossOutputs:
+                assert inp.hidden is not None, "the micro-batch wants hidden states"
                 h = inp.hidden[rows].astype(np.float64)
                 v = self.value(h)
                 value, d_logp, d_v, st = ppo_loss(inp.logp, old, adv, v, oldv, ret, p.cliprange, p.cliprange_value,

@@ -6,7 +6,7 @@ completions into a loss."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -66,7 +66,7 @@ class RolloutRecipe(Recipe):
     def close(self) -> None:
         self.gen.close()
 
-    def sampling(self, seeds: Sequence[int]) -> list[SamplingParams]:
+    def sampling(self, seeds: Iterable[int]) -> list[SamplingParams]:
         g = self.g
         return [SamplingParams(g.temperature, g.top_p, g.top_k, g.max_new_tokens, int(s), tuple(g.stop)) for s in seeds]
 

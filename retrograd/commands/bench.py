@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from retrograd.commands import Subparsers, common_flags, load_config, positive
 from retrograd.config import Config, tomllib
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if not examples:
         raise DataError(f"{source}: no examples to evaluate")
     budget = cfg.training.micro_batch_tokens
+    extra: dict[str, Any]
     if cfg.run.algorithm == "distill":
         teacher = OnlineTeacher(load_teacher(cfg, ctx.tokenizer, ctx.trainable.model_path), cfg.distill.k)
 

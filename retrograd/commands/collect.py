@@ -108,7 +108,8 @@ def best_traces(trajs: list[Trajectory], keep: int, raw: bool, counts: Counter) 
     """The highest reward first, the shortest at equal reward, no exact duplicate."""
     from retrograd.agent.rollout import messages_of
 
-    out, seen = [], set()
+    out: list[Trajectory] = []
+    seen: set[str] = set()
     for t in sorted(trajs, key=lambda t: (-t.reward, _length(t))):
         key = json.dumps(messages_of(t, raw), sort_keys=True)
         if key in seen:

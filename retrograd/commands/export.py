@@ -92,11 +92,14 @@ def eval_examples(cfg: Config, model: Path) -> tuple[list, str] | None:
     tok = tok_mod.Tokenizer(model)
     chat = chat_mod.format_for(tok, cfg.model.chat_template)
     max_len = min(cfg.data.max_length, cfg.model.ctx)
-    kw = dict(fmt=cfg.data.format, max_length=max_len, skip_bad=cfg.data.skip_bad_lines)
+
+    def load(path: Path) -> list:
+        return load_examples(path, tok, chat, fmt=cfg.data.format, max_length=max_len, skip_bad=cfg.data.skip_bad_lines)[0]
+
     if cfg.evaluation.data and Path(cfg.evaluation.data).is_file():
-        return load_examples(Path(cfg.evaluation.data), tok, chat, **kw)[0], str(cfg.evaluation.data)
+        return load(Path(cfg.evaluation.data)), str(cfg.evaluation.data)
     if cfg.data.train and cfg.data.eval_split > 0 and Path(cfg.data.train).is_file():
-        examples = load_examples(Path(cfg.data.train), tok, chat, **kw)[0]
+        examples = load(Path(cfg.data.train))
         return split_holdout(examples, cfg.data.eval_split, cfg.run.seed)[1], f"{cfg.data.train} (held-out split)"
     return None
 

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 
@@ -58,26 +58,29 @@ class Cursor:
         return {"epoch": self.epoch, "index": self.index}
 
 
-class ExampleStream:
+T = TypeVar("T")       # a stream's items: Examples, or what a recipe samples from (prompts, scenarios)
+
+
+class ExampleStream(Generic[T]):
     """Endless, resumable stream of examples over epochs."""
 
-    def __init__(self, examples: Sequence[Example], seed: int, shuffle: bool, cursor: Cursor | None = None):
+    def __init__(self, examples: Sequence[T], seed: int, shuffle: bool, cursor: Cursor | None = None):
         self.examples = examples
         self.seed = seed
         self.shuffle = shuffle
         self.cursor = cursor or Cursor()
         self._order = epoch_order(len(examples), seed, self.cursor.epoch, shuffle)
 
-    def take(self, n: int = 0, tokens: int = 0) -> list[Example]:
-        """The next n examples, or as many as fit in `tokens` (at least one)."""
-        out: list[Example] = []
+    def take(self, n: int = 0, tokens: int = 0) -> list[T]:
+        """The next n examples, or as many as fit in `tokens` (at least one; Examples only)."""
+        out: list[T] = []
         used = 0
         while True:
             if self.cursor.index >= len(self._order):
                 self.cursor = Cursor(self.cursor.epoch + 1, 0)
                 self._order = epoch_order(len(self.examples), self.seed, self.cursor.epoch, self.shuffle)
             ex = self.examples[self._order[self.cursor.index]]
-            size = len(ex.tokens) if tokens else 0
+            size = len(cast(Example, ex).tokens) if tokens else 0
             if tokens and out and used + size > tokens:
                 return out
             out.append(ex)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -147,11 +148,13 @@ class Cluster:
             raise ClusterError("every Ray worker died; the run stops here (resume it with --resume)")
         self._write_roster()
 
-    def _gather(self, calls: list[tuple[int, Callable]]) -> tuple[dict[int, object], list[int]]:
+    def _gather(self, calls: list[tuple[int, Callable]]) -> tuple[dict[int, Any], list[int]]:
         """Run calls [(worker position, lambda worker: remote call)] and wait for all; returns the
-        results by position and the positions whose worker died."""
+        results by position (whatever the remote method returned, through ray.get) and the
+        positions whose worker died."""
         refs = [(pos, make(self.workers[pos])) for pos, make in calls]
-        results, dead = {}, []
+        results: dict[int, Any] = {}
+        dead: list[int] = []
         for pos, ref in refs:
             try:
                 results[pos] = self.ray.get(ref)

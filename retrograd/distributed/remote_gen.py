@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from retrograd.data.tokenizer import Tokenizer
-from retrograd.generation.llama import Completion, SamplingParams
+from retrograd.generation.llama import Completion, SamplingParams, TokenIds
 
 
 def split_even(n: int, parts: int) -> list[range]:
@@ -69,13 +69,13 @@ class RemoteGenerator:
     def _shares(self, n: int) -> list[range]:
         return [r for r in split_even(n, min(n, self.cluster.size)) if len(r)]
 
-    def generate(self, prompt: Sequence[int], params: Sequence[SamplingParams]) -> list[Completion]:
+    def generate(self, prompt: TokenIds, params: Sequence[SamplingParams]) -> list[Completion]:
         self._check(len(params))
         shares = self._shares(len(params))
         parts = self._run([("generate", (list(prompt), [params[i] for i in r])) for r in shares])
         return [c for part in parts for c in part]
 
-    def generate_each(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[Completion]:
+    def generate_each(self, prompts: Sequence[TokenIds], params: Sequence[SamplingParams]) -> list[Completion]:
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts for {len(params)} sampling settings")
         self._check(len(params))
@@ -84,7 +84,7 @@ class RemoteGenerator:
                            for r in shares])
         return [c for part in parts for c in part]
 
-    def generate_groups(self, prompts: Sequence[Sequence[int]],
+    def generate_groups(self, prompts: Sequence[TokenIds],
                         params: Sequence[Sequence[SamplingParams]]) -> list[list[Completion]]:
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts for {len(params)} groups")

@@ -91,7 +91,7 @@ class Replica:
         failure = None
         try:
             for mb in micro:
-                self.tr.accumulate(mb.batch, lambda inp, mb=mb: mb.loss(inp, tally),
+                self.tr.accumulate(mb.batch, mb.coefficients(tally),
                                    entropy=mb.want_entropy, hidden=mb.want_hidden)
         except native.NativeError as exc:
             if exc.status != native.STATUS_NONFINITE:
@@ -113,7 +113,7 @@ class Replica:
         """Run Generator.<method>(*args) with the driver's generator settings `key` and adapter
         `version` (its bytes in `adapter`, a one-element list holding an object reference that is
         fetched only when this replica's adapter is older)."""
-        if key != self.gen_key:
+        if key != self.gen_key or self.gen is None:     # (no generator yet: gen_key is None too)
             if self.gen is not None:
                 self.gen.close()
             path, n_ctx, n_seq, device = key

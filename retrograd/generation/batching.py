@@ -59,8 +59,8 @@ class Seq:
     params: SamplingParams
     rng: np.random.Generator
     kv: list[int]                    # the tokens in this sequence's KV cells, by position
+    logits: np.ndarray               # the row the next token is sampled from
     out: Completion = field(default_factory=Completion)
-    logits: np.ndarray | None = None  # the row the next token is sampled from
     pending: int | None = None        # the sampled token, decoded at the next step
 
 
@@ -149,17 +149,17 @@ class Batch:
 
     def decode(self) -> None:
         """One llama_decode of every live sequence's pending token."""
-        steps = [(s, q) for s, q in self.live.items() if q.pending is not None]
+        steps = [(s, q, t) for s, q in self.live.items() if (t := q.pending) is not None]
         if not steps:
             return
         self._make_room(len(steps))
-        self.gen._decode([q.pending for _, q in steps], [len(q.kv) for _, q in steps], [s for s, _ in steps],
+        self.gen._decode([t for _, _, t in steps], [len(q.kv) for _, q, _ in steps], [s for s, _, _ in steps],
                          [True] * len(steps))
         rows = self.gen._step_logits(len(steps))
-        for i, (s, q) in enumerate(steps):
+        for i, (s, q, t) in enumerate(steps):
             self._rows[s] = rows[i]          # copied: a prompt decoded before the next step overwrites them
             q.logits = self._rows[s]
-            q.kv.append(q.pending)
+            q.kv.append(t)
             q.pending = None
 
     def leave(self, s: int) -> None:

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -151,7 +152,7 @@ def export(base: Path, ad: adapter_io.AdapterFile, out: Path, kind: str, *, thre
         return raw
 
     if kind == "same":
-        rewrite(reader, out, {t.name: (int(t.tensor_type), lambda t, k=int(t.tensor_type): merged(t, k))
+        rewrite(reader, out, {t.name: (int(t.tensor_type), partial(merged, to_type=int(t.tensor_type)))
                               for t in reader.tensors if t.name in names})
     else:
         inter = tmp_name(out).with_name(out.name + ".merged-f32.tmp")

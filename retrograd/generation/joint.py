@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+from collections.abc import Callable
 from functools import cache, partial
 from pathlib import Path
 
@@ -127,12 +128,13 @@ class JointAdapter:
                 offsets[name.removesuffix(".lora_b")] = np.array(b[:, : n_in // BLOCK], np.float32)
         return cls(f.arch, offsets)
 
-    def _pieces(self, training: adapter_io.AdapterFile | None, scale: float) -> list[tuple[str, tuple, int, object]]:
+    def _pieces(self, training: adapter_io.AdapterFile | None,
+                scale: float) -> list[tuple[str, tuple[int, ...], int, Callable[[], bytes]]]:
         """(tensor name, shape, ggml type, a function giving its bytes) of the joint adapter, in file order."""
         tensors = {} if training is None else training.tensors
         trained = [n.removesuffix(".lora_a") for n in tensors if n.endswith(".lora_a")]
         alpha = training.alpha if training is not None else 0.0
-        pieces = []
+        pieces: list[tuple[str, tuple[int, ...], int, Callable[[], bytes]]] = []
         for w in [*self.encoded, *(n for n in trained if n not in self.encoded)]:
             a_t, b_t = tensors.get(w + ".lora_a"), tensors.get(w + ".lora_b")
             r = 0 if a_t is None else a_t.shape[0]
@@ -145,11 +147,15 @@ class JointAdapter:
                     raise GenerationError(f"adapter tensors {w}.lora_a/b are not for this model's {w} "
                                           f"({n_out} x {n_in}): is the adapter for another model?")
                 # encoded when first asked for, once: llama.cpp's reads may come back to a tensor
-                train = cache(partial(_training_q8_0, a_t, b_t, s, r0)) if r0 else None
+                train = None
+                if r0 and a_t is not None and b_t is not None:   # r0 > 0 only with A, and then B (checked above)
+                    train = cache(partial(_training_q8_0, a_t, b_t, s, r0))
                 a_fn = partial(_split_a, train, self.blocks[w], r0, rank, n_in)
                 pieces += [(w + ".lora_a", (rank, n_in), GGML_Q8_0, a_fn),
                            (w + ".lora_b", (n_out, rank), GGML_Q8_0, partial(_split_b, train, c, r0, n_out))]
             else:
+                if a_t is None or b_t is None:                  # trained: A exists; B may be missing
+                    raise GenerationError(f"adapter tensor {w}.lora_b is missing beside {w}.lora_a")
                 rank, (n_out, n_in) = up(r, RANK_STEP), (b_t.shape[0], a_t.shape[1])
                 pieces += [(w + ".lora_a", (rank, n_in), GGML_F16, partial(_padded, a_t, rank, n_in, np.float16)),
                            (w + ".lora_b", (n_out, rank), GGML_F32, partial(_padded, b_t, n_out, rank, np.float32, s))]
@@ -187,7 +193,7 @@ class JointAdapter:
 class _Stream:
     """A read-only FILE* over a GGUF made of a header and tensors produced on demand, one at a time."""
 
-    def __init__(self, head: bytes, tensors: list[tuple[int, object]], size: int) -> None:
+    def __init__(self, head: bytes, tensors: list[tuple[int, Callable[[], bytes]]], size: int) -> None:
         self.head, self.tensors, self.size = head, tensors, size
         self.starts = [start for start, _ in tensors]
         self.pos = 0

@@ -26,6 +26,9 @@ from retrograd.generation.sampling import Completion, SamplingParams, sample
 from retrograd.logs import log
 from retrograd.run_setup import resolve_threads
 
+#: a prompt's token ids: a list, or an int32 array as data.formats.Example.tokens holds them
+TokenIds = Sequence[int] | np.ndarray
+
 
 def extra_buffers_safe() -> bool:
     """Whether llama.cpp may move weights into its extra CPU buffer types (repacked layouts, AMX).
@@ -177,7 +180,7 @@ class Generator(AdapterSlot):
         copy would be a fresh mapping, faulted in page by page every step."""
         return np.ctypeslib.as_array(lc.llama_get_logits(self._ctx), shape=(n, self.n_vocab))
 
-    def _prefill(self, prompt: Sequence[int], n_seq: int) -> np.ndarray:
+    def _prefill(self, prompt: TokenIds, n_seq: int) -> np.ndarray:
         """Put the prompt in sequence 0 (reusing the cached prefix) and share it with 1..n_seq-1."""
         if len(prompt) + 1 > self.n_ctx:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context of {self.n_ctx}")
@@ -195,7 +198,7 @@ class Generator(AdapterSlot):
             lc.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
         return last
 
-    def _prefill_shared(self, prompts: Sequence[Sequence[int]], copies: Sequence[int]) -> int:
+    def _prefill_shared(self, prompts: Sequence[TokenIds], copies: Sequence[int]) -> int:
         """The prefix all prompts share, decoded once in sequence 0 (reusing the cached one) and copied
         to the sequences in `copies`; returns its length."""
         longest = max(len(p) for p in prompts)
@@ -211,7 +214,7 @@ class Generator(AdapterSlot):
             lc.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
         return shared
 
-    def _prefill_each(self, prompts: Sequence[Sequence[int]]) -> tuple[dict[int, np.ndarray], int]:
+    def _prefill_each(self, prompts: Sequence[TokenIds]) -> tuple[dict[int, np.ndarray], int]:
         """Different prompts, one per sequence: their common prefix once in sequence 0 (reusing the
         cached one), shared with the others, then each prompt's own rest. Returns the logits after
         each prompt and the length of the shared prefix."""
@@ -223,7 +226,7 @@ class Generator(AdapterSlot):
             logits[s] = self._logits(self._last_row(len(rest)))
         return logits, shared
 
-    def generate(self, prompt: Sequence[int], params: Sequence[SamplingParams]) -> list[Completion]:
+    def generate(self, prompt: TokenIds, params: Sequence[SamplingParams]) -> list[Completion]:
         """Continue one prompt len(params) times in one batch (a GRPO group, or a single answer)."""
         n = len(params)
         if n > self.n_seq:
@@ -235,7 +238,7 @@ class Generator(AdapterSlot):
         lc.llama_memory_seq_rm(self._mem, 0, len(prompt), -1)
         return outs
 
-    def generate_each(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[Completion]:
+    def generate_each(self, prompts: Sequence[TokenIds], params: Sequence[SamplingParams]) -> list[Completion]:
         """Continue each prompt once, all in one batch: the turns of a group of conversations whose
         histories have parted (their common prefix is decoded once)."""
         n = len(params)
@@ -251,7 +254,7 @@ class Generator(AdapterSlot):
         self._cache = list(prompts[0][:shared])
         return outs
 
-    def generate_groups(self, prompts: Sequence[Sequence[int]],
+    def generate_groups(self, prompts: Sequence[TokenIds],
                         params: Sequence[Sequence[SamplingParams]]) -> list[list[Completion]]:
         """Continue prompt g len(params[g]) times, every group in one batch: a GRPO step's groups
         decode together, so each decode step reads the weights once for all of them. The prefix the

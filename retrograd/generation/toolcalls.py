@@ -41,7 +41,7 @@ class Parsed:
 def _call_from_obj(obj: Any) -> ToolCall | None:
     if not isinstance(obj, dict):
         return None
-    fn = obj.get("function") if isinstance(obj.get("function"), dict) else obj
+    fn: dict[Any, Any] = obj["function"] if isinstance(obj.get("function"), dict) else obj
     name = fn.get("name")
     args = fn.get("arguments", fn.get("parameters", {}))
     if isinstance(args, str):
@@ -148,14 +148,14 @@ def parse(text: str, tool_names: set[str] | None = None) -> Parsed:
             calls += _python_calls(stripped, errors)
             content = ""
         else:
-            m = _JSON_FENCE.search(stripped)
-            candidate = m.group(1) if m else stripped
+            fence = _JSON_FENCE.search(stripped)
+            candidate = fence.group(1) if fence else stripped
             if candidate.startswith("{") and '"name"' in candidate:
                 found = _json_calls(candidate, [], "json")
                 if found:
                     fmt = "llama3" if '"parameters"' in candidate else "json"
                     calls = found
-                    content = (stripped.replace(m.group(0), "") if m else "").strip()
+                    content = (stripped.replace(fence.group(0), "") if fence else "").strip()
     if tool_names is not None:
         for c in list(calls):
             if c.name not in tool_names:

@@ -12,6 +12,7 @@ import ipaddress
 import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -108,25 +109,26 @@ async def serve_chat(request: web.Request, sched: Scheduler, chat: ChatFormat, r
     live = req.stream and not req.tools
     job = sched.submit(key, prompt, params, stream=live)
     try:
-        if not live:
+        if job.pieces is None:              # not live
             await _until(request, job, job.done)
             return await respond(request, req, finish(job.done.result(), prompt, req), headers)
-        first = asyncio.ensure_future(job.pieces.get())
+        pieces = job.pieces
+        first = asyncio.ensure_future(pieces.get())
         try:
             await _until(request, job, first)
         finally:
             if not first.done():
                 first.cancel()
-        if job.done.done() and job.done.exception() is not None:
-            raise job.done.exception()
-        return await _stream(request, req, job, first.result() if first.done() else "", prompt, headers)
+        if job.done.done() and (exc := job.done.exception()) is not None:
+            raise exc
+        return await _stream(request, req, job, pieces, first.result() if first.done() else "", prompt, headers)
     finally:
         if not job.done.done():
             job.cancel()
 
 
-async def _stream(request: web.Request, req: ChatRequest, job: Job, piece: str, prompt: list[int],
-                  headers: dict | None) -> web.StreamResponse:
+async def _stream(request: web.Request, req: ChatRequest, job: Job, pieces: asyncio.Queue, piece: str,
+                  prompt: list[int], headers: dict | None) -> web.StreamResponse:
     cid, created = completion_id(), int(time.time())
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        **(headers or {})})
@@ -134,16 +136,16 @@ async def _stream(request: web.Request, req: ChatRequest, job: Job, piece: str, 
     try:
         await resp.write(stream_chunk(cid, req.model, created, {"role": "assistant", "content": piece}))
         while True:
-            get = asyncio.ensure_future(job.pieces.get())
+            get = asyncio.ensure_future(pieces.get())
             await _until(request, job, get)
             if not get.done():          # finished: what is left in the queue, then the end
                 get.cancel()
                 break
             await resp.write(stream_chunk(cid, req.model, created, {"content": get.result()}))
-        while not job.pieces.empty():
-            await resp.write(stream_chunk(cid, req.model, created, {"content": job.pieces.get_nowait()}))
-        if job.done.exception() is not None:
-            raise job.done.exception()
+        while not pieces.empty():
+            await resp.write(stream_chunk(cid, req.model, created, {"content": pieces.get_nowait()}))
+        if (exc := job.done.exception()) is not None:
+            raise exc
         _, reason, usage = finish(job.done.result(), prompt, req)
         await resp.write(stream_chunk(cid, req.model, created, {}, reason, {"usage": usage}))
         await resp.write(b"data: [DONE]\n\n")
@@ -153,8 +155,8 @@ async def _stream(request: web.Request, req: ChatRequest, job: Job, piece: str, 
     return resp
 
 
-async def read_json(request: web.Request) -> tuple[bytes, object]:
-    """The raw body and its JSON (ApiError 400 when it is not JSON)."""
+async def read_json(request: web.Request) -> tuple[bytes, Any]:
+    """The raw body and its JSON value, as json.loads gives it (ApiError 400 when it is not JSON)."""
     raw = await request.read()
     try:
         return raw, json.loads(raw)

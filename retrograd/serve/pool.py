@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -20,11 +21,14 @@ from retrograd.config import Config
 from retrograd.serve.openai_api import ChatRequest
 from retrograd.serve.scheduler import Scheduler
 
+if TYPE_CHECKING:
+    from retrograd.data.chat import ChatFormat
+
 
 @dataclass
 class Loaded:
     sched: Scheduler
-    chat: object
+    chat: ChatFormat
     idle_seconds: float
     seed: int = 0
 

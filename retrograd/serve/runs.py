@@ -118,11 +118,13 @@ class RunStore:
     # ---- adapters on disk ------------------------------------------------------------------
     def steps(self, run_id: str) -> list[int]:
         """Steps with a saved adapter (checkpoints kept by [checkpoint].keep)."""
-        return [ckpt.step_of(p) for p in ckpt.step_states(self.checkpoints(run_id)) if (p / "adapter.gguf").exists()]
+        return [s for p in ckpt.step_states(self.checkpoints(run_id))
+                if (p / "adapter.gguf").exists() and (s := ckpt.step_of(p)) is not None]
 
     def adapter(self, run_id: str, which: str) -> Path | None:
         """final, best, latest or step-N: the adapter file, or None when the run has none (yet)."""
         cdir = self.checkpoints(run_id)
+        p: Path | None
         if which == "final":
             p = self.out(run_id) / "adapter.gguf"
         elif which == "best":

@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 from retrograd.generation.batching import Batch
 from retrograd.generation.llama import Generator
@@ -75,7 +76,9 @@ class Job:
 
 class Scheduler:
     def __init__(self, gen: Generator, *, parallel: int, queue: int, wait_seconds: float,
-                 adapter_of: Callable[[Hashable], bytes | None], name: str = "serve") -> None:
+                 adapter_of: Callable[[Any], bytes | None], name: str = "serve") -> None:
+        # adapter_of: the adapter bytes (None: the base model) of a key jobs are submitted with; the keys
+        # are the caller's own (a model id, an adapter path), opaque here: Any, so that its function can take them
         self.gen = gen
         self.parallel, self.queue, self.wait_seconds = parallel, queue, wait_seconds
         self.adapter_of = adapter_of
@@ -142,7 +145,7 @@ class Scheduler:
                 if switch != self.key:
                     self._switch(switch)       # outside the lock: a DoRA adapter reloads weights
                 with self._cv:
-                    admitted = []
+                    admitted: list[Job] = []
                     while (self.waiting and self.waiting[0].key == self.key
                            and len(self.jobs) + len(admitted) < self.parallel):
                         admitted.append(self.waiting.popleft())

@@ -276,7 +276,7 @@ class RunServer:
 
 
 def _asset(name: str) -> str:
-    return resources.files("retrograd.serve").joinpath("web", name).read_text()
+    return resources.files("retrograd.serve").joinpath("web").joinpath(name).read_text()
 
 
 def _read_metrics(out: Path) -> list[dict]:

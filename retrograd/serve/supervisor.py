@@ -24,7 +24,7 @@ INTERRUPTED = "the server stopped while this run trained; resume continues from 
 
 
 class Supervisor:
-    def __init__(self, state_dir: Path, *, on_device_change: Callable[[str | None], None] | None = None) -> None:
+    def __init__(self, state_dir: Path, *, on_device_change: Callable[[str | None], object] | None = None) -> None:
         self.store = RunStore(state_dir)
         self.runs: dict[str, RunRecord] = {}
         self.procs: dict[str, asyncio.subprocess.Process] = {}
@@ -116,7 +116,8 @@ class Supervisor:
         """Server exit: close the workers' pipes (they stop at once; the run resumes later)."""
         for run_id, proc in list(self.procs.items()):
             with contextlib.suppress(Exception):
-                proc.stdin.close()
+                if proc.stdin is not None:
+                    proc.stdin.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(proc.wait(), 10)
             rec = self.runs[run_id]
@@ -155,14 +156,16 @@ class Supervisor:
     async def _pump(self, run_id: str, proc: asyncio.subprocess.Process) -> None:
         rec = self.runs[run_id]
         ended = None
+        out = proc.stdout
+        assert out is not None, "the worker is started with stdout=PIPE"
         try:
             while True:
-                line = await proc.stdout.readline()
+                line = await out.readline()
                 if not line:
                     break
                 msg = json.loads(line)
                 if "size" in msg:
-                    msg["payload"] = await proc.stdout.readexactly(msg["size"])
+                    msg["payload"] = await out.readexactly(msg["size"])
                 ended = self._handle(rec, msg) or ended
                 await self.notify()
         except (json.JSONDecodeError, asyncio.IncompleteReadError, ValueError) as exc:

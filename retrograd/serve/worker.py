@@ -25,9 +25,13 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from retrograd.errors import RetrogradError
+
+if TYPE_CHECKING:
+    from retrograd.data.chat import ChatFormat
+    from retrograd.generation.llama import Generator
 
 
 class Channel:
@@ -54,8 +58,8 @@ class LiveChat:
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg
-        self.gen = None
-        self.chat = None
+        self.gen: Generator | None = None
+        self.chat: ChatFormat | None = None
         self.seed = 0
         self.last_used = 0.0
 
@@ -71,6 +75,7 @@ class LiveChat:
             self.gen = Generator(resolve_model(self.cfg), n_ctx=self.cfg.model.ctx, threads=resolve_threads(self.cfg),
                                  device=self.cfg.model.device)
             self.chat = format_for(self.gen.tokenizer, self.cfg.model.chat_template)
+        assert self.chat is not None, "set with the generator"
         self.gen.set_adapter(trainable.adapter_bytes())
         self.seed += 1
         self.last_used = time.monotonic()
@@ -113,7 +118,8 @@ def main(argv: list[str]) -> int:
 
     store = RunStore(run_dir.parent.parent)
     rec = RunRecord(**json.loads((run_dir / "run.json").read_text()))
-    stop, chats = threading.Event(), queue.Queue()
+    stop = threading.Event()
+    chats: queue.Queue[dict] = queue.Queue()
     threading.Thread(target=read_commands, args=(stop, chats), daemon=True).start()
     live = None
     try:
