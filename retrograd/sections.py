@@ -249,6 +249,10 @@ class AgentSection:
                                  "template or, without tool support, to the system prompt)")
     tool_use_reward: float = opt(0.0, "added to the reward of a conversation with at least one successful tool call "
                                       "(shapes a small model toward the call format; 0: off)", min=0.0)
+    unfinished_penalty: float = opt(0.0, "subtracted from the reward of a conversation that ran out of turns or "
+                                         "context without a final answer (0: off)", min=0.0)
+    tool_error_penalty: float = opt(0.0, "subtracted from the reward for each failed tool call (an error, an unknown "
+                                         "tool, a call that could not be read; 0: off)", min=0.0)
     seed: int = opt(0, "seed of rollouts in collect (scenario i is rolled out from seed + i * k)", min=0)
     generate_count: int = opt(20, "scenarios `retrograd scenarios generate` writes", min=1)
     judge: JudgeSection = field(default_factory=JudgeSection)

@@ -198,10 +198,20 @@ def _run_tools(env: AgentEnv, trajs: list[Trajectory], pending: list[tuple[int, 
                                            "\"name\" and \"arguments\""))
 
 
-def score_group(trajs: list[Trajectory], judge=None, tool_use_reward: float = 0.0) -> None:
+def failed_calls(t: Trajectory) -> int:
+    """Tool calls that did not work: errors, unknown tools, and turns whose call could not be read."""
+    return t.tool_calls - t.tool_ok + t.causes["malformed_call"]
+
+
+def score_group(trajs: list[Trajectory], judge=None, tool_use_reward: float = 0.0,
+                unfinished_penalty: float = 0.0, tool_error_penalty: float = 0.0) -> None:
     """Rewards: the scenario's verify where it has one (pass 1, fail 0), else the judge's score for
-    the group (0 without a judge), plus tool_use_reward for a conversation with a successful tool
-    call. The state copies are discarded once verified."""
+    the group (0 without a judge); then the shaping terms of [agent]: + tool_use_reward for a
+    conversation with a successful tool call, - unfinished_penalty for one that ran out of turns
+    or context without a final answer, - tool_error_penalty for each failed call. The penalties
+    exist because without them a policy that loops on tool calls until it is cut off loses nothing
+    against one that answers wrongly, and GRPO drifts into looping (docs/agentic.md). The state
+    copies are discarded once verified."""
     unverified = []
     for t in trajs:
         if t.scenario.verify is not None:
@@ -216,6 +226,10 @@ def score_group(trajs: list[Trajectory], judge=None, tool_use_reward: float = 0.
     for t in trajs:
         if tool_use_reward and t.tool_ok:
             t.reward += tool_use_reward
+        if unfinished_penalty and not t.complete:
+            t.reward -= unfinished_penalty
+        if tool_error_penalty:
+            t.reward -= tool_error_penalty * failed_calls(t)
         discard_state(t.state)
 
 

@@ -86,7 +86,7 @@ class AgentGRPO(GRPO):
         """Every group of the step in one rollout (one batch per turn for all of them); then, up to
         [grpo].resample_zero_groups times, the groups whose rewards were all equal (no signal) are
         replaced by fresh scenarios, again rolled out together."""
-        g = self.run.cfg.grpo
+        g, a = self.run.cfg.grpo, self.run.cfg.agent
         t0 = time.monotonic()
         swap_s = self.sync_adapter()
         chosen = list(self.stream.take(n=g.prompts_per_step))
@@ -106,7 +106,8 @@ class AgentGRPO(GRPO):
             tool_s += max(t.tool_seconds for t in trajs)
             for j, pi in enumerate(todo):
                 kept_trajs[pi] = trajs[j * g.group_size:(j + 1) * g.group_size]
-                score_group(kept_trajs[pi], self.judge, self.run.cfg.agent.tool_use_reward)
+                score_group(kept_trajs[pi], self.judge, a.tool_use_reward, a.unfinished_penalty,
+                            a.tool_error_penalty)
             todo = [pi for pi in todo if len({t.reward for t in kept_trajs[pi]}) == 1]
             if not todo:
                 break
