@@ -25,6 +25,15 @@ static rg_status engine_setup(rg_engine * e, rg_model * model) {
     const int n_backends = model->backend_cpu != model->backend ? 2 : 1;
     e->sched = ggml_backend_sched_new(backends, NULL, n_backends, e->graph_size, false, false);
     if (!e->sched) return rg_fail(RG_ERR_DEVICE, "could not create the backend scheduler");
+    /* Issue 38: on Mesa's lavapipe (llvmpipe, a Vulkan device on the CPU) device training died in
+     * about one run of three - a SIGSEGV or a glibc heap abort on the driver's queue thread during
+     * the first AdamW step, calling through a freed object. Waiting for each node of the training
+     * graph (as node tracing and profiling do) made it go away; serializing ggml-vulkan's
+     * submissions (GGML_VK_SERIALIZE_SUBMISSIONS) and LP_NUM_THREADS=0 did not. A driver-side race,
+     * contained here, not fixed; it costs ~10% of a step on lavapipe, nothing elsewhere. */
+    const char * desc = ggml_backend_dev_description(model->dev);
+    e->sync_nodes = model->backend != model->backend_cpu && desc && strstr(desc, "llvmpipe") &&
+                    !rg_vk_no_sync();
     e->opt_galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(model->backend));
     if (!e->opt_galloc) return rg_fail(RG_ERR_NOMEM, "could not create the optimizer's graph allocator");
     e->head = rg_head_new(model);

@@ -21,6 +21,10 @@ struct rg_engine {
     bool                 recompute;   /* activation checkpointing (recompute.c) */
     rg_matmul            matmul;      /* rg_engine_set_matmul, decided once (matmul.c) */
     bool                 profiling;
+    /* every node of the training graph is waited for (its eval callback asks for it): set on
+     * Mesa's lavapipe, where the asynchronous submissions crashed the driver's queue thread in
+     * about one run of three (issue 38, engine.c) */
+    bool                 sync_nodes;
     rg_profile           prof;
     double               prof_last;
     /* the last preflight: pre_n op kinds (in ggml op order) with their unsupported nodes */

@@ -285,7 +285,7 @@ rg_status rg_engine_prepare(rg_engine * e, rg_lora * lora, const rg_batch * batc
 bool rg_engine_on_node(struct ggml_tensor * t, bool ask, void * user) {
     rg_run * r = user;
     rg_engine * pe = r->e;
-    if (ask) return pe->profiling || rg_trace_nodes() || t == r->hidden;
+    if (ask) return pe->profiling || pe->sync_nodes || rg_trace_nodes() || t == r->hidden;
     if (rg_trace_nodes()) {
         ggml_backend_t where = ggml_backend_sched_get_tensor_backend(pe->sched, t);
         fprintf(stderr, "retrograd: node done: %s %s [%lld,%lld,%lld,%lld] on %s\n", ggml_op_desc(t), ggml_get_name(t),

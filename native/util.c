@@ -50,3 +50,13 @@ bool rg_trace_nodes(void) {
     }
     return on == 1;
 }
+
+/* read once: the A/B switch of issue 38's containment on lavapipe (engine.c), for a whole process */
+bool rg_vk_no_sync(void) {
+    static int on = -1;
+    if (on < 0) {
+        const char * v = getenv("RETRO_VK_NO_SYNC");
+        on = v && strcmp(v, "1") == 0;
+    }
+    return on == 1;
+}

@@ -26,5 +26,7 @@ double rg_now_ms(void);
 /* RETRO_TRACE_NODES=1, read once: graphs name their nodes on stderr as they run (microbatch.c), so
  * a crash inside a device's driver is placed at the node after the last one named */
 bool rg_trace_nodes(void);
+/* RETRO_VK_NO_SYNC=1, read once: turns off the per-node wait on lavapipe (engine.c, issue 38) */
+bool rg_vk_no_sync(void);
 
 #endif /* RG_UTIL_H */

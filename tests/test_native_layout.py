@@ -165,8 +165,8 @@ def test_no_cycle_between_native_files():
 
 def test_the_environment_is_read_in_one_place():
     """Settings reach the engine through its setters, never from the environment of a hot path: the
-    one variable the library reads (RETRO_TRACE_NODES, a debugging switch for a whole process) is
-    read once, in util.c."""
+    variables the library reads (RETRO_TRACE_NODES and RETRO_VK_NO_SYNC, debugging switches for a
+    whole process) are read once, in util.c."""
     readers = [name for name, text in native_sources().items() if re.search(r"\bgetenv\s*\(", strip(text))]
     assert readers == ["util.c"]
 
