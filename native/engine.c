@@ -26,11 +26,11 @@ static rg_status engine_setup(rg_engine * e, rg_model * model) {
     e->sched = ggml_backend_sched_new(backends, NULL, n_backends, e->graph_size, false, false);
     if (!e->sched) return rg_fail(RG_ERR_DEVICE, "could not create the backend scheduler");
     /* Issue 38: on Mesa's lavapipe (llvmpipe, a Vulkan device on the CPU) device training died in
-     * about one run of three - a SIGSEGV or a glibc heap abort on the driver's queue thread during
-     * the first AdamW step, calling through a freed object. Waiting for each node of the training
-     * graph (as node tracing and profiling do) made it go away; serializing ggml-vulkan's
-     * submissions (GGML_VK_SERIALIZE_SUBMISSIONS) and LP_NUM_THREADS=0 did not. A driver-side race,
-     * contained here, not fixed; it costs ~10% of a step on lavapipe, nothing elsewhere. */
+     * 10 of 36 runs - a SIGSEGV or a glibc heap abort on the driver's queue thread during the first
+     * AdamW step, calling through a freed object. Waiting for each node of the training graph (as
+     * node tracing and profiling do) made it go away; serializing ggml-vulkan's submissions
+     * (GGML_VK_SERIALIZE_SUBMISSIONS) and LP_NUM_THREADS=0 did not. A race between the driver and
+     * ggml-vulkan, contained here, not fixed: ~10% of a step on lavapipe, nothing elsewhere. */
     const char * desc = ggml_backend_dev_description(model->dev);
     e->sync_nodes = model->backend != model->backend_cpu && desc && strstr(desc, "llvmpipe") &&
                     !rg_vk_no_sync();

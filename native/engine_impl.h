@@ -22,8 +22,8 @@ struct rg_engine {
     rg_matmul            matmul;      /* rg_engine_set_matmul, decided once (matmul.c) */
     bool                 profiling;
     /* every node of the training graph is waited for (its eval callback asks for it): set on
-     * Mesa's lavapipe, where the asynchronous submissions crashed the driver's queue thread in
-     * about one run of three (issue 38, engine.c) */
+     * Mesa's lavapipe, where without it the driver's queue thread crashed in 10 of 36 runs
+     * (issue 38, engine.c) */
     bool                 sync_nodes;
     rg_profile           prof;
     double               prof_last;
