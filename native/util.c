@@ -41,22 +41,23 @@ double rg_now_ms(void) {
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
-/* read once: a debugging switch for a whole process (scripts/vk_opcheck.sh), not a setting */
-bool rg_trace_nodes(void) {
-    static int on = -1;
-    if (on < 0) {
-        const char * v = getenv("RETRO_TRACE_NODES");
-        on = v && strcmp(v, "1") == 0;
+/* a process-wide debugging switch, VAR=1, read the first time it is asked for */
+static bool env_switch(const char * var, int * cache) {
+    if (*cache < 0) {
+        const char * v = getenv(var);
+        *cache = v && strcmp(v, "1") == 0;
     }
-    return on == 1;
+    return *cache == 1;
 }
 
-/* read once: the A/B switch of issue 38's containment on lavapipe (engine.c), for a whole process */
+/* graphs name their nodes as they run (scripts/vk_opcheck.sh), not a setting */
+bool rg_trace_nodes(void) {
+    static int on = -1;
+    return env_switch("RETRO_TRACE_NODES", &on);
+}
+
+/* the A/B switch of issue 38's containment on lavapipe (engine.c) */
 bool rg_vk_no_sync(void) {
     static int on = -1;
-    if (on < 0) {
-        const char * v = getenv("RETRO_VK_NO_SYNC");
-        on = v && strcmp(v, "1") == 0;
-    }
-    return on == 1;
+    return env_switch("RETRO_VK_NO_SYNC", &on);
 }
