@@ -233,6 +233,30 @@ def test_malformed_tool_calls_are_reported_not_raised():
 
 
 # ---- continuous batching ----------------------------------------------------------------------
+def test_a_turn_takes_its_adapters_waiting_requests_and_keeps_the_others_turn():
+    """Interleaved requests for adapters A and B: a fresh turn starts every waiting A together (up to the
+    room); while it decodes, a new A joins only while the oldest waiting request is also an A."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from retrograd.serve.scheduler import take_turn
+
+    def queue(keys: str) -> deque:
+        return deque(SimpleNamespace(key=k, n=i) for i, k in enumerate(keys))
+
+    def names(jobs) -> str:
+        return "".join(f"{j.key}{j.n}" for j in jobs)
+
+    waiting = queue("ABABAA")
+    assert names(take_turn(waiting, "A", 3, fresh=True)) == "A0A2A4" and names(waiting) == "B1B3A5"
+    assert names(take_turn(waiting, "A", 1, fresh=False)) == ""            # B1 is older: no more A this turn
+    assert names(take_turn(waiting, "B", 8, fresh=True)) == "B1B3" and names(waiting) == "A5"
+    assert names(take_turn(waiting, "B", 8, fresh=False)) == ""
+    waiting = queue("AAB")
+    assert names(take_turn(waiting, "A", 1, fresh=False)) == "A0"           # room for one
+    assert names(take_turn(waiting, "A", 0, fresh=True)) == "" and len(waiting) == 2
+
+
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon."}]
 COUNT = [{"role": "user", "content": "Count from 1 to 20."}]
 BURST = [   # each client's own model (adapter group), sampler, seed, stop strings, tools and streaming

@@ -5,9 +5,10 @@ a queue of text pieces) on their event loop.
 Admission: `parallel` sequences decode together; beyond them at most `queue` requests wait (more
 get 429), and a request that waits longer than `wait_seconds` for a slot gets 503. llama.cpp applies
 adapters to a whole context, so requests for different adapters cannot share a batch: jobs are
-grouped by adapter key and take turns in arrival order (a turn admits waiting jobs of its adapter
-until the first job of another; once its batch has drained, the adapter of the oldest waiting job
-is swapped in). A cancelled job (its client went away) leaves the batch at the next step.
+grouped by adapter key and take turns (take_turn): once the batch has drained, the adapter of the
+oldest waiting job is swapped in and all its waiting jobs start together; while it decodes, newer
+jobs of that adapter join only until the oldest waiting job is another adapter's. A cancelled job
+(its client went away) leaves the batch at the next step.
 """
 
 from __future__ import annotations
@@ -72,6 +73,25 @@ class Job:
         if end > self.sent:
             piece, self.sent = text[self.sent:end], end
             self._call(self.pieces.put_nowait, piece)
+
+
+def take_turn(waiting: deque[Job], key: Hashable, room: int, fresh: bool) -> list[Job]:
+    """Remove and return the waiting jobs of adapter `key` that start now, at most `room`.
+
+    A fresh turn (the batch is empty, `key` was just swapped in) takes every waiting job of `key`, in
+    arrival order, wherever it stands in the queue: requests for interleaved adapters would otherwise
+    decode one at a time. Within a turn, later jobs of `key` join only while the oldest waiting job is
+    also of `key`, so one busy adapter cannot keep the others waiting for more than its current batch.
+    """
+    if fresh:
+        taken = [j for j in waiting if j.key == key][:max(0, room)]
+        for job in taken:
+            waiting.remove(job)
+        return taken
+    taken = []
+    while waiting and waiting[0].key == key and len(taken) < room:
+        taken.append(waiting.popleft())
+    return taken
 
 
 class Scheduler:
@@ -145,10 +165,7 @@ class Scheduler:
                 if switch != self.key:
                     self._switch(switch)       # outside the lock: a DoRA adapter reloads weights
                 with self._cv:
-                    admitted: list[Job] = []
-                    while (self.waiting and self.waiting[0].key == self.key
-                           and len(self.jobs) + len(admitted) < self.parallel):
-                        admitted.append(self.waiting.popleft())
+                    admitted = take_turn(self.waiting, self.key, self.parallel - len(self.jobs), not self.jobs)
                     self.starting = list(admitted)
                 for job in admitted:
                     self._start(job)
