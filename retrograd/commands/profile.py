@@ -203,8 +203,12 @@ def _profile(args: argparse.Namespace) -> int:
     rl = cfg.run.algorithm in ("grpo", "agent_grpo", "ppo")
     head = {"model": ctx.trainable.model_path.name, "algorithm": cfg.run.algorithm, "threads": resolve_threads(cfg),
             "steps": len(rows)}
+    agent = cfg.run.algorithm == "agent_grpo"
+    new_tokens = cfg.agent.max_new_tokens if agent else g.max_new_tokens      # agent: per turn
     if rl:
-        head.update(prompts=g.prompts_per_step, group_size=g.group_size, max_new_tokens=g.max_new_tokens, beta=g.beta)
+        head.update(prompts=g.prompts_per_step, group_size=g.group_size, max_new_tokens=new_tokens, beta=g.beta)
+        if agent:
+            head.update(max_turns=cfg.agent.max_turns)
     else:
         head.update(batch_size=t.batch_size, micro_batch_tokens=t.micro_batch_tokens)
     if d.backend == "ray":
@@ -212,7 +216,8 @@ def _profile(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**head, "median": med}))
         return 0
-    what = (f"{g.prompts_per_step} prompts x {g.group_size} completions x <= {g.max_new_tokens} new tokens, beta {g.beta}"
+    turns = f" a turn, <= {cfg.agent.max_turns} turns" if agent else ""
+    what = (f"{g.prompts_per_step} prompts x {g.group_size} completions x <= {new_tokens} new tokens{turns}, beta {g.beta}"
             if rl else f"{t.batch_size} examples, micro-batches of {t.micro_batch_tokens} tokens")
     print(f"{cfg.run.algorithm} step on {head['model']}: {what}, {head['threads']} threads, median of {len(rows)} steps")
     for k in (*PHASES, "total"):
