@@ -14,6 +14,13 @@ as a ratio to the first in the same rounds. Every generator carries the example'
 
     python scripts/bench_generate.py [--model M] [--tokens 64] [--threads N] [--weights f16,bf16,q8_0]
     python scripts/bench_generate.py --rollouts [--rounds 6] [--weights bf16,q8_0] [--threads N]
+
+With --serve-steps, the serving scheduler's continuous batch (generation/batching.py) on its own,
+per generator format (the model's own weights, then each --weights copy, default split): the time
+to start 8 chat requests (their prompts decoded one by one, a shared prefix copied) and, per step of
+8 sequences, the median time of Python's sampling against llama_decode's.
+
+    python scripts/bench_generate.py --serve-steps [--weights split] [--tokens 64] [--threads 2]
 """
 
 from __future__ import annotations
@@ -36,9 +43,13 @@ def main() -> None:
                                                   "comma-separated (f16, bf16, q8_0)")
     ap.add_argument("--rollouts", action="store_true", help="GRPO rollouts of examples/grpo-arith (see above)")
     ap.add_argument("--rounds", type=int, default=6, help="--rollouts: rounds, each on 4 new prompts")
+    ap.add_argument("--serve-steps", action="store_true", help="the serving batch's per-step profile (see above)")
     args = ap.parse_args()
     if args.rollouts:
         rollouts(args)
+        return
+    if args.serve_steps:
+        serve_steps(args)
         return
     from retrograd.data.chat import format_for
     from retrograd.engine import LoraSpec
@@ -206,6 +217,46 @@ def example_adapter(model, lora, threads: int) -> bytes:
     data = tr.adapter_bytes()
     tr.close()
     return data
+
+
+
+
+def serve_steps(args) -> None:
+    """Start 8 chat requests in a serving Batch, then decode them together: start time, and per step
+    the median sampling and llama_decode times, per generator format."""
+    from retrograd.data.chat import format_for
+    from retrograd.generation.batching import Batch, serving_generator
+    from retrograd.generation.sampling import SamplingParams
+    from retrograd.models import default_model_path
+
+    model = args.model or str(default_model_path())
+    for weights in ["native", *(args.weights.split(",") if args.weights else ["split"])]:
+        gen = serving_generator(model, n_ctx=1024, parallel=8, threads=args.threads, device="cpu", weights=weights)
+        chat = format_for(gen.tokenizer)
+        prompts = [gen.tokenizer.encode(chat.render([{"role": "user", "content": f"Tell me story {i} about a dragon."}],
+                                                    add_generation_prompt=True)) for i in range(8)]
+        gen.tokenizer.eog_ids = frozenset()         # every sequence generates --tokens
+        starts, samples, decodes = [], [], []
+        for rep in range(args.repeats):
+            batch = Batch(gen, 8)
+            t0 = time.perf_counter()
+            for i, p in enumerate(prompts):
+                batch.start(p, SamplingParams(0.8, 0.95, 0, args.tokens, 1000 * rep + i, ()))
+            starts.append(time.perf_counter() - t0)
+            while batch.live:
+                t1 = time.perf_counter()
+                for s in batch.sample():
+                    batch.leave(s)
+                t2 = time.perf_counter()
+                batch.decode()
+                samples.append(t2 - t1)
+                decodes.append(time.perf_counter() - t2)
+            batch.reset()
+        gen.close()
+        step = statistics.median(samples) + statistics.median(decodes)
+        print(f"{weights}: start of 8 requests {statistics.median(starts):.3f} s; a step of 8: sampling "
+              f"{statistics.median(samples) * 1e3:.1f} ms, llama_decode {statistics.median(decodes) * 1e3:.1f} ms; "
+              f"{8 / step:.0f} tokens/s while decoding")
 
 
 if __name__ == "__main__":
