@@ -15,15 +15,13 @@
 
 #include "ggml-cpu.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
 /* ggml and the CPU both have AVX512-BF16's dot product */
 static bool bf16_dot(void) {
-#if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
     return ggml_cpu_has_avx512_bf16() && __builtin_cpu_supports("avx512bf16");
-#else
-    return false;
-#endif
 }
+#endif
 
 /* whether this CPU runs a packed kernel, and what it lacks when it does not */
 static const char * missing(int kernel) {
