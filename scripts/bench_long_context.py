@@ -3,7 +3,7 @@ without activation checkpointing ([training].activation_checkpointing), on the d
 with tiled attention (the default) and, when asked, the dense score matrices it replaced.
 
     .venv/bin/python scripts/bench_long_context.py [--lengths 512 1024 2048 4096 8192] [--limit-gib 20]
-                                                   [--attention tiled dense]
+                                                   [--attention tiled dense] [--checkpointing off on]
 
 Each (length, setting) runs in a fresh process (so its peak resident memory is its own) under an
 address-space limit: a setting that needs more memory than the limit fails its allocation and is
@@ -59,6 +59,8 @@ def main() -> int:
     ap.add_argument("--limit-gib", type=float, default=20.0, help="address-space limit of each run (default 20)")
     ap.add_argument("--attention", nargs="+", choices=["tiled", "dense"], default=["tiled"],
                     help="attention paths to run (default: tiled; dense is the [T, T] path it replaced)")
+    ap.add_argument("--checkpointing", nargs="+", choices=["off", "on"], default=["off", "on"],
+                    help="activation checkpointing settings to run (default both)")
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)     # LENGTH 0|1 ATTENTION: the child process
     args = ap.parse_args()
     if args.one:
@@ -77,7 +79,7 @@ def main() -> int:
           f"{'graph MiB':>10}")
     for length in args.lengths:
         for attention in args.attention:
-            for recompute in (False, True):
+            for recompute in [c == "on" for c in args.checkpointing]:
                 out = subprocess.run([sys.executable, __file__, "--one", str(length), "1" if recompute else "0",
                                       attention, "--threads", str(args.threads)],
                                      capture_output=True, text=True, preexec_fn=limited)
