@@ -35,6 +35,9 @@ def llama_cpp_lib_dir() -> Path:
 
 
 HEADERS = ("retrograd.h", "retrograd_test.h")
+#: the C flags of the real build (scripts/check_arm.sh reads this list to cross-compile with the same)
+COMPILE_ARGS = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+DEBUG_COMPILE_ARGS = ["-O0", "-g", "-std=c11", "-D_GNU_SOURCE", "-Wall"]       # RETRO_NATIVE_DEBUG=1
 
 
 def cdef_block(name: str) -> str:
@@ -59,9 +62,7 @@ def make_ffi() -> FFI:
     ffi.cdef(cdef_text())
     # setuptools insists on paths relative to setup.py
     sources = sorted(os.path.relpath(p, ROOT) for p in HERE.glob("*.c"))
-    extra_compile = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Wno-unused-parameter"]
-    if os.environ.get("RETRO_NATIVE_DEBUG"):
-        extra_compile = ["-O0", "-g", "-std=c11", "-D_GNU_SOURCE", "-Wall"]
+    extra_compile = DEBUG_COMPILE_ARGS if os.environ.get("RETRO_NATIVE_DEBUG") else COMPILE_ARGS
     ffi.set_source(
         "retrograd._native",
         "".join(f'#include "{h}"\n' for h in HEADERS),

@@ -16,12 +16,18 @@ if ! command -v "$CC" >/dev/null; then
     $SUDO apt-get update -qq && $SUDO apt-get install -y -qq gcc-aarch64-linux-gnu >/dev/null
 fi
 [ -f vendor/llama.cpp/ggml/include/ggml.h ] || .venv/bin/python scripts/fetch_vendor.py
+# the real build's flags, read from native/build_ffi.py without importing it (that sets up the cffi build)
+FLAGS=$(python3 -c '
+import ast
+tree = ast.parse(open("native/build_ffi.py").read())
+print(" ".join(next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                    and getattr(n.targets[0], "id", "") == "COMPILE_ARGS")))')
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 n=0
 for src in native/*.c; do
-    "$CC" -O3 -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Werror -fPIC \
-        -Inative -Ivendor/llama.cpp/ggml/include -c "$src" -o "$out/$(basename "$src" .c).o"
+    # shellcheck disable=SC2086
+    "$CC" $FLAGS -Werror -fPIC -Inative -Ivendor/llama.cpp/ggml/include -c "$src" -o "$out/$(basename "$src" .c).o"
     n=$((n + 1))
 done
 # one shared object: every symbol the library defines resolves, ggml's are left to the loader
