@@ -46,40 +46,12 @@ static void mm(float * c, size_t ldc, int m, int n, const float * a, size_t sa, 
             for (int i = 0; i < nb; i++) {
                 float * row = c + (size_t) (i0 + i) * ldc + j0;
                 if (add) {
-                    for (int j = 0; j < nv; j++) row[j] += acc[i][j];
+                    rg_attn_axpby_row(row, 1.0f, acc[i], nv);
                 } else {
                     memcpy(row, acc[i], sizeof(float) * (size_t) nv);
                 }
             }
         }
-    }
-}
-
-/* x[j] = exp(x[j]) for n values, x <= 0 or -inf (gives 0). 2^(x log2 e) split into an integer power
- * (rounded by adding and subtracting 1.5 * 2^23, which needs no SSE4.1 floor) and a polynomial on
- * [-1/2, 1/2] (relative error below 2e-7), in a form the compiler vectorises; expf called once a
- * score was slower than the tile products it follows. x86-64 builds carry AVX2 and AVX-512 copies,
- * picked at load time. */
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
-__attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-static void exp_inplace(float * x, int n) {
-    for (int j = 0; j < n; j++) {
-        float t = x[j] * 1.44269504088896341f;
-        t = t < -126.0f ? -126.0f : t;
-        const float k = (t + 12582912.0f) - 12582912.0f;
-        const float f = (t - k) * 0.69314718055994531f;
-        float p = 1.0f / 720.0f;
-        p = p * f + 1.0f / 120.0f;
-        p = p * f + 1.0f / 24.0f;
-        p = p * f + 1.0f / 6.0f;
-        p = p * f + 0.5f;
-        p = p * f + 1.0f;
-        p = p * f + 1.0f;
-        const int32_t bits = ((int32_t) k + 127) << 23;
-        float scale;
-        memcpy(&scale, &bits, sizeof(scale));
-        x[j] = x[j] < -87.0f ? 0.0f : p * scale;
     }
 }
 
@@ -95,15 +67,19 @@ static rg_vis vis_of(const struct ggml_tensor * t, const rg_attn_params * p) {
     return (rg_vis) { d, d + T, d + 2 * T, p->n_swa };
 }
 
+static bool sees(const rg_vis * v, int64_t i, int64_t j) {
+    return (v->seq[j] == v->seq[i] || v->seq[j] == v->prefix[i]) && v->pos[j] <= v->pos[i] &&
+           (v->n_swa <= 0 || v->pos[i] - v->pos[j] < v->n_swa);
+}
+
 /* what a tile of queries i0.. (m) by keys j0.. (n) sees: nothing, everything, or some pairs (then
- * ok[i][j] says which) */
+ * each row is masked from the ids and positions by rg_attn_scale_row) */
 enum { RG_SEE_NONE, RG_SEE_ALL, RG_SEE_SOME };
 
-/* Decided from the tile's edges where it can (O(m + n)): most tiles of a batch lie wholly inside
- * one sequence's causal triangle or wholly outside it, and building the m x n mask for every tile,
- * head and pass cost more than the tile products of a 4 x 256-token step. Only tiles on a diagonal
- * or a sequence boundary get the pairwise mask. */
-static int visible(const rg_vis * v, int64_t i0, int m, int64_t j0, int n, uint8_t ok[RG_BQ][RG_BK]) {
+/* Decided from the tile's edges (O(m + n)) when queries and keys each lie in one sequence: most
+ * tiles of a batch lie wholly inside one sequence's causal triangle or wholly outside it. Only a
+ * tile across a sequence boundary is checked pair by pair. */
+static int visible(const rg_vis * v, int64_t i0, int m, int64_t j0, int n) {
     const int32_t s = v->seq[i0], pf = v->prefix[i0];
     bool one_q = true, one_k = true;
     int32_t qmin = v->pos[i0], qmax = qmin, kmin = v->pos[j0], kmax = kmin;
@@ -123,18 +99,12 @@ static int visible(const rg_vis * v, int64_t i0, int m, int64_t j0, int n, uint8
     if (one_q && one_k) {
         if ((sk != s && sk != pf) || kmin > qmax || (v->n_swa > 0 && qmin - kmax >= v->n_swa)) return RG_SEE_NONE;
         if (kmax <= qmin && (v->n_swa <= 0 || qmax - kmin < v->n_swa)) return RG_SEE_ALL;
+        return RG_SEE_SOME;
     }
-    bool any = false;
     for (int i = 0; i < m; i++) {
-        const int32_t si = v->seq[i0 + i], pi = v->prefix[i0 + i], qi = v->pos[i0 + i];
-        for (int j = 0; j < n; j++) {
-            const int32_t sj = v->seq[j0 + j], qj = v->pos[j0 + j];
-            const bool o = (sj == si || sj == pi) && qj <= qi && (v->n_swa <= 0 || qi - qj < v->n_swa);
-            ok[i][j] = o;
-            any |= o;
-        }
+        for (int j = 0; j < n; j++) if (sees(v, i0 + i, j0 + j)) return RG_SEE_SOME;
     }
-    return any ? RG_SEE_SOME : RG_SEE_NONE;
+    return RG_SEE_NONE;
 }
 
 void rg_attn_fill_vis(const rg_batch * batch, int32_t * out) {
@@ -160,14 +130,15 @@ static const float * row(const rg_rows * r, int64_t h, int64_t t) {
     return r->p + (size_t) h * r->lh + (size_t) t * r->ld;
 }
 
-/* sources shared by the four ops (rg_attn_*): q, k, v as [hd, T, heads] views, k and v transposed
- * as contiguous [T, hd, kv heads], the visibility input, the log-sum-exp side tensor [T, heads];
- * the backward ops add dO (the output's gradient) and O */
+/* sources shared by the ops (rg_attn_*): q, k, v as [hd, T, heads] views, k and v transposed as
+ * [T + pad, hd, kv heads] (rows ldt apart), the visibility input, the log-sum-exp side tensor
+ * [T, heads]; the backward adds dO (the output's gradient) and O */
 enum { A_Q, A_K, A_V, A_KT, A_VT, A_VIS, A_LSE, A_DO, A_O, A_N };
 
 typedef struct {
     rg_rows         q, k, v, dO, O;
-    const float   * kt, * vt;   /* [T, hd, kv heads] */
+    const float   * kt, * vt;
+    size_t          ldt;
     float         * lse;        /* [T, heads] */
     rg_vis          vis;
     float           scale;
@@ -178,7 +149,7 @@ static rg_attn_args args_of(const struct ggml_tensor * dst, const rg_attn_params
     struct ggml_tensor * const * s = dst->src;
     rg_attn_args a = {
         .q = rows_of(s[A_Q]), .k = rows_of(s[A_K]), .v = rows_of(s[A_V]),
-        .kt = (const float *) s[A_KT]->data, .vt = (const float *) s[A_VT]->data,
+        .kt = (const float *) s[A_KT]->data, .vt = (const float *) s[A_VT]->data, .ldt = (size_t) s[A_KT]->ne[0],
         .lse = (float *) s[A_LSE]->data, .vis = vis_of(s[A_VIS], p), .scale = p->scale,
         .hd = s[A_Q]->ne[0], .T = s[A_Q]->ne[1], .H = s[A_Q]->ne[2], .Hkv = s[A_K]->ne[2],
     };
@@ -190,39 +161,34 @@ static rg_attn_args args_of(const struct ggml_tensor * dst, const rg_attn_params
     return a;
 }
 
-/* S = scale q k^T for queries i0.. (m) of head h and keys j0.. (n); masked pairs -inf (`see`:
- * visible()'s answer, RG_SEE_SOME reads ok) */
+/* S = scale q k^T for queries i0.. (m) of head h and keys j0.. (n); pairs not seen -inf (`see`:
+ * visible()'s answer) */
 static void scores(const rg_attn_args * a, int64_t h, int64_t i0, int m, int64_t j0, int n, int see,
-                   uint8_t ok[RG_BQ][RG_BK], float S[RG_BQ][RG_BK]) {
+                   float S[RG_BQ][RG_BK]) {
     const int64_t g = h / a->rep;
-    mm(&S[0][0], RG_BK, m, n, row(&a->q, h, i0), a->q.ld, 1, a->kt + (size_t) g * a->hd * a->T + j0, a->T, a->hd, false);
+    mm(&S[0][0], RG_BK, m, n, row(&a->q, h, i0), a->q.ld, 1, a->kt + (size_t) g * a->hd * a->ldt + j0, a->ldt, a->hd,
+       false);
     for (int i = 0; i < m; i++) {
         if (see == RG_SEE_ALL) {
-            for (int j = 0; j < n; j++) S[i][j] *= a->scale;
+            rg_attn_scale_row(S[i], n, a->scale, NULL);
         } else {
-            for (int j = 0; j < n; j++) S[i][j] = ok[i][j] ? S[i][j] * a->scale : -INFINITY;
+            const int64_t qi = i0 + i;
+            const rg_attn_row_vis rv = { a->vis.seq[qi], a->vis.prefix[qi], a->vis.pos[qi], a->vis.n_swa,
+                                         a->vis.seq + j0, a->vis.pos + j0 };
+            rg_attn_scale_row(S[i], n, a->scale, &rv);
         }
     }
 }
 
-/* P = exp(S - L) (the softmax, from the saved row statistics) and, when dS is wanted,
- * dS = P (dO v^T - D), D = rowsum(dO * O) */
-static void probs(const rg_attn_args * a, int64_t h, int64_t i0, int m, int64_t j0, int n,
-                  float S[RG_BQ][RG_BK], float (*dS)[RG_BK]) {
-    for (int i = 0; i < m; i++) {
-        const float L = a->lse[(size_t) h * a->T + i0 + i];
-        for (int j = 0; j < n; j++) S[i][j] -= L;
-        exp_inplace(S[i], n);
-    }
-    if (!dS) return;
+/* P = exp(S - L) (the softmax, from the saved row statistics) and dS = P (dO v^T - D), with
+ * D = rowsum(dO * O) given per row */
+static void probs(const rg_attn_args * a, int64_t h, int64_t i0, int m, int64_t j0, int n, const float * D,
+                  float S[RG_BQ][RG_BK], float dS[RG_BQ][RG_BK]) {
+    for (int i = 0; i < m; i++) rg_attn_exp_row(S[i], n, a->lse[(size_t) h * a->T + i0 + i]);
     const int64_t g = h / a->rep;
-    mm(&dS[0][0], RG_BK, m, n, row(&a->dO, h, i0), a->dO.ld, 1, a->vt + (size_t) g * a->hd * a->T + j0, a->T, a->hd, false);
-    for (int i = 0; i < m; i++) {
-        const float * o = row(&a->O, h, i0 + i), * d = row(&a->dO, h, i0 + i);
-        float D = 0.0f;
-        for (int64_t c = 0; c < a->hd; c++) D += o[c] * d[c];
-        for (int j = 0; j < n; j++) dS[i][j] = S[i][j] * (dS[i][j] - D);
-    }
+    mm(&dS[0][0], RG_BK, m, n, row(&a->dO, h, i0), a->dO.ld, 1, a->vt + (size_t) g * a->hd * a->ldt + j0, a->ldt,
+       a->hd, false);
+    for (int i = 0; i < m; i++) rg_attn_softmax_grad_row(dS[i], S[i], D[i], n);
 }
 
 static int min_int(int64_t a, int b) {
@@ -234,7 +200,6 @@ static void attn_forward(struct ggml_tensor * dst, int ith, int nth, void * user
     const rg_attn_args a = args_of(dst, userdata, false);
     const int64_t nqb = (a.T + RG_BQ - 1) / RG_BQ;
     const size_t ld_out = dst->nb[1] / sizeof(float), lh_out = dst->nb[2] / sizeof(float);
-    uint8_t ok[RG_BQ][RG_BK];
     float S[RG_BQ][RG_BK], O[RG_BQ][RG_HD_MAX], mx[RG_BQ], l[RG_BQ];
     /* units dealt round robin, query tile major: the later tiles of a causal mask cost more */
     for (int64_t u = ith; u < nqb * a.H; u += nth) {
@@ -247,26 +212,20 @@ static void attn_forward(struct ggml_tensor * dst, int ith, int nth, void * user
         }
         for (int64_t j0 = 0; j0 < a.T; j0 += RG_BK) {
             const int n = min_int(a.T - j0, RG_BK);
-            const int see = visible(&a.vis, i0, m, j0, n, ok);
+            const int see = visible(&a.vis, i0, m, j0, n);
             if (see == RG_SEE_NONE) continue;
-            scores(&a, h, i0, m, j0, n, see, ok, S);
+            scores(&a, h, i0, m, j0, n, see, S);
             for (int i = 0; i < m; i++) {
-                float top = mx[i];
-                for (int j = 0; j < n; j++) top = S[i][j] > top ? S[i][j] : top;
+                const float row_top = rg_attn_row_max(S[i], n), top = row_top > mx[i] ? row_top : mx[i];
                 if (top == -INFINITY) {         /* nothing visible in this row of the tile */
                     memset(S[i], 0, sizeof(float) * (size_t) n);
                     continue;
                 }
-                float shift = mx[i] - top;      /* the earlier tiles' terms, rescaled to the new maximum */
-                exp_inplace(&shift, 1);
-                for (int j = 0; j < n; j++) S[i][j] -= top;
-                exp_inplace(S[i], n);
-                float sum = 0.0f;
-                for (int j = 0; j < n; j++) sum += S[i][j];
-                l[i] = l[i] * shift + sum;
-                if (shift != 1.0f) {
-                    for (int64_t c = 0; c < a.hd; c++) O[i][c] *= shift;
-                }
+                float shift = mx[i];            /* the earlier tiles' terms, rescaled to the new maximum */
+                rg_attn_exp_row(&shift, 1, top);
+                rg_attn_exp_row(S[i], n, top);
+                l[i] = l[i] * shift + rg_attn_row_sum(S[i], n);
+                if (shift != 1.0f) rg_attn_scale_row(O[i], (int) a.hd, shift, NULL);
                 mx[i] = top;
             }
             mm(&O[0][0], RG_HD_MAX, m, (int) a.hd, &S[0][0], RG_BK, 1, a.v.p + (size_t) g * a.v.lh + (size_t) j0 * a.v.ld,
@@ -282,68 +241,92 @@ static void attn_forward(struct ggml_tensor * dst, int ith, int nth, void * user
     }
 }
 
-/* ---- dQ ------------------------------------------------------------------------------------- */
-static void attn_grad_q(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const rg_attn_args a = args_of(dst, userdata, true);
-    const int64_t nqb = (a.T + RG_BQ - 1) / RG_BQ;
-    const size_t ld_out = dst->nb[1] / sizeof(float), lh_out = dst->nb[2] / sizeof(float);
-    uint8_t ok[RG_BQ][RG_BK];
-    float S[RG_BQ][RG_BK], dS[RG_BQ][RG_BK], dQ[RG_BQ][RG_HD_MAX];
-    for (int64_t u = ith; u < nqb * a.H; u += nth) {
-        const int64_t h = u % a.H, i0 = (u / a.H) * RG_BQ, g = h / a.rep;
-        const int m = min_int(a.T - i0, RG_BQ);
-        for (int i = 0; i < m; i++) memset(dQ[i], 0, sizeof(float) * (size_t) a.hd);
-        for (int64_t j0 = 0; j0 < a.T; j0 += RG_BK) {
-            const int n = min_int(a.T - j0, RG_BK);
-            const int see = visible(&a.vis, i0, m, j0, n, ok);
-            if (see == RG_SEE_NONE) continue;
-            scores(&a, h, i0, m, j0, n, see, ok, S);
-            probs(&a, h, i0, m, j0, n, S, dS);
-            mm(&dQ[0][0], RG_HD_MAX, m, (int) a.hd, &dS[0][0], RG_BK, 1, a.k.p + (size_t) g * a.k.lh + (size_t) j0 * a.k.ld,
-               a.k.ld, n, true);
+/* ---- the backward: dQ, dK and dV in one pass ----------------------------------------------- */
+/* Per key head and key tile, over the query heads that share the key head and every query tile
+ * that sees the key tile: P and dS once, then dV += P^T dO, dK += dS^T q and dQ += dS k. A query
+ * tile's dQ gets terms from every key tile, which other threads hold, so each thread adds into a
+ * [hd, T, heads] partial of its own and attn_dq sums them (per thread: hd T heads floats; the
+ * split into a dQ pass and a dK/dV pass computed S, P and dO v^T twice).
+ * dst: [hd, T, 2 kv heads + slots heads]: dK ([hd, T, kv heads]), dV as [T, hd, kv heads] (vt's
+ * layout), then the partials, unscaled; a thread past the slots (more threads than the build
+ * planned for) leaves its units to the first `slots` threads. */
+static void attn_grad(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const rg_attn_params * p = userdata;
+    const rg_attn_args a = args_of(dst, p, true);
+    const int nt = nth < p->slots ? nth : p->slots;
+    if (ith >= nt) return;
+    const int64_t nkb = (a.T + RG_BK - 1) / RG_BK, nqb = (a.T + RG_BQ - 1) / RG_BQ;
+    const size_t hd = (size_t) a.hd, n_kv = hd * (size_t) a.T * (size_t) a.Hkv;
+    float * out_k = (float *) dst->data, * out_v = out_k + n_kv;
+    float * dq = out_v + n_kv + (size_t) ith * hd * (size_t) a.T * (size_t) a.H;
+    memset(dq, 0, sizeof(float) * hd * (size_t) a.T * (size_t) a.H);
+    float S[RG_BQ][RG_BK], dS[RG_BQ][RG_BK], dK[RG_BK][RG_HD_MAX], dV[RG_BK][RG_HD_MAX], D[RG_BQ];
+    for (int64_t u = ith; u < nkb * a.Hkv; u += nt) {
+        const int64_t g = u % a.Hkv, j0 = (u / a.Hkv) * RG_BK;
+        const int n = min_int(a.T - j0, RG_BK);
+        for (int j = 0; j < n; j++) {
+            memset(dK[j], 0, sizeof(float) * hd);
+            memset(dV[j], 0, sizeof(float) * hd);
         }
-        for (int i = 0; i < m; i++) {
-            float * out = (float *) dst->data + (size_t) h * lh_out + (size_t) (i0 + i) * ld_out;
-            for (int64_t c = 0; c < a.hd; c++) out[c] = dQ[i][c] * a.scale;
+        for (int64_t qb = 0; qb < nqb; qb++) {
+            const int64_t i0 = qb * RG_BQ;
+            const int m = min_int(a.T - i0, RG_BQ);
+            const int see = visible(&a.vis, i0, m, j0, n);
+            if (see == RG_SEE_NONE) continue;
+            for (int64_t h = g * a.rep; h < (g + 1) * a.rep; h++) {
+                for (int i = 0; i < m; i++) D[i] = rg_attn_row_dot(row(&a.O, h, i0 + i), row(&a.dO, h, i0 + i), (int) a.hd);
+                scores(&a, h, i0, m, j0, n, see, S);
+                probs(&a, h, i0, m, j0, n, D, S, dS);
+                /* dV += P^T dO, dK += dS^T q: the tiles read down their columns */
+                mm(&dV[0][0], RG_HD_MAX, n, (int) a.hd, &S[0][0], 1, RG_BK, row(&a.dO, h, i0), a.dO.ld, m, true);
+                mm(&dK[0][0], RG_HD_MAX, n, (int) a.hd, &dS[0][0], 1, RG_BK, row(&a.q, h, i0), a.q.ld, m, true);
+                mm(dq + ((size_t) h * (size_t) a.T + (size_t) i0) * hd, hd, m, (int) a.hd, &dS[0][0], RG_BK, 1,
+                   row(&a.k, g, j0), a.k.ld, n, true);
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            float * k = out_k + ((size_t) g * (size_t) a.T + (size_t) (j0 + j)) * hd;
+            for (size_t c = 0; c < hd; c++) {
+                k[c] = dK[j][c] * a.scale;
+                out_v[((size_t) g * hd + c) * (size_t) a.T + (size_t) (j0 + j)] = dV[j][c];
+            }
         }
     }
 }
 
-/* ---- dK and dV: per key head and key tile, over the query heads that share the key head ---------- */
-/* dst: [hd * T * kv heads * 2] floats, dK ([hd, T, kv heads]) then dV ([T, hd, kv heads], as vt): one
- * pass computes both from the same probabilities; the rewrite gives each its own view */
-static void attn_grad_kv(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const rg_attn_args a = args_of(dst, userdata, true);
-    const int64_t nkb = (a.T + RG_BK - 1) / RG_BK;
-    uint8_t ok[RG_BQ][RG_BK];
-    float S[RG_BQ][RG_BK], dS[RG_BQ][RG_BK], dK[RG_BK][RG_HD_MAX], dV[RG_BK][RG_HD_MAX];
-    float * out_k = (float *) dst->data, * out_v = out_k + (size_t) a.hd * a.T * a.Hkv;
-    for (int64_t u = ith; u < nkb * a.Hkv; u += nth) {
-        const int64_t g = u % a.Hkv, j0 = (u / a.Hkv) * RG_BK;
-        const int n = min_int(a.T - j0, RG_BK);
-        for (int j = 0; j < n; j++) {
-            memset(dK[j], 0, sizeof(float) * (size_t) a.hd);
-            memset(dV[j], 0, sizeof(float) * (size_t) a.hd);
-        }
-        for (int64_t h = g * a.rep; h < (g + 1) * a.rep; h++) {
-            for (int64_t i0 = 0; i0 < a.T; i0 += RG_BQ) {
-                const int m = min_int(a.T - i0, RG_BQ);
-                const int see = visible(&a.vis, i0, m, j0, n, ok);
-                if (see == RG_SEE_NONE) continue;
-                scores(&a, h, i0, m, j0, n, see, ok, S);
-                probs(&a, h, i0, m, j0, n, S, dS);
-                /* dV += P^T dO, dK += dS^T q: the tiles read down their columns */
-                mm(&dV[0][0], RG_HD_MAX, n, (int) a.hd, &S[0][0], 1, RG_BK, row(&a.dO, h, i0), a.dO.ld, m, true);
-                mm(&dK[0][0], RG_HD_MAX, n, (int) a.hd, &dS[0][0], 1, RG_BK, row(&a.q, h, i0), a.q.ld, m, true);
-            }
-        }
-        for (int j = 0; j < n; j++) {
-            float * k = out_k + ((size_t) g * a.T + j0 + j) * a.hd;
-            for (int64_t c = 0; c < a.hd; c++) {
-                k[c] = dK[j][c] * a.scale;
-                out_v[((size_t) g * a.hd + c) * a.T + j0 + j] = dV[j][c];
-            }
-        }
+/* dQ = scale times the sum of attn_grad's partials (src[0]), [hd, T, heads], split by element */
+static void attn_dq(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const rg_attn_params * p = userdata;
+    const struct ggml_tensor * grad = dst->src[0];
+    const int64_t n = ggml_nelements(dst), per = (n + nth - 1) / nth, lo = per * ith, hi = lo + per < n ? lo + per : n;
+    if (lo >= hi) return;
+    const int slots = nth < p->slots ? nth : p->slots;
+    /* the partials follow dK and dV: grad is [hd, T, 2 kv heads + slots heads] */
+    const int64_t n_kv2 = ggml_nelements(grad) - (int64_t) p->slots * n;
+    const float * part = (const float *) grad->data + n_kv2;
+    float * out = (float *) dst->data;
+    for (int64_t i = lo; i < hi; i++) out[i] = part[i];
+    for (int t = 1; t < slots; t++) rg_attn_axpby_row(out + lo, 1.0f, part + (size_t) t * (size_t) n + lo, (int) (hi - lo));
+    rg_attn_scale_row(out + lo, (int) (hi - lo), p->scale, NULL);
+}
+
+/* ---- k and v transposed for the score products ------------------------------------------- */
+/* dst [T + pad, hd, kv heads] from src [hd, kv heads, T] (k after RoPE, or v; any strides): row
+ * (d, g) holds dimension d of key head g for every token, the pad zero. Rows are padded to an odd
+ * number of 64-byte lines: the score products read a tile's keys down 64 rows, and rows a power of
+ * two of bytes apart (T = 256, 1,024, ...) all fell in a few sets of the L1 cache, whose misses
+ * held up the kernel. One pass (ggml's permute-copy and pad took two, at a tenth of memory speed). */
+static void transpose_pad(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const struct ggml_tensor * src = dst->src[0];
+    const int64_t hd = src->ne[0], Hkv = src->ne[1], T = src->ne[2], ld = dst->ne[0], rows = hd * Hkv;
+    const char * base = (const char *) src->data;
+    for (int64_t r = ith; r < rows; r += nth) {
+        const int64_t d = r % hd, g = r / hd;
+        float * out = (float *) dst->data + (size_t) (g * hd + d) * (size_t) ld;
+        const char * in = base + (size_t) d * src->nb[0] + (size_t) g * src->nb[1];
+        for (int64_t t = 0; t < T; t++) out[t] = *(const float *) (in + (size_t) t * src->nb[2]);
+        memset(out + T, 0, sizeof(float) * (size_t) (ld - T));
     }
 }
 
@@ -384,30 +367,36 @@ bool rg_attn_tile(rg_graph_build * b, struct ggml_cgraph * gf, int il) {
     src[A_Q] = A->q;
     src[A_K] = A->k;
     src[A_V] = ggml_permute(ctx, A->v, 0, 2, 1, 3);                     /* [hd, T, kv heads] */
-    src[A_KT] = ggml_cont(ctx, ggml_permute(ctx, A->k_rope, 1, 2, 0, 3)); /* [T, hd, kv heads] */
-    src[A_VT] = A->vt;
+    /* K transposed for the forward, and K and V again for the backward: copies made where they are
+     * read, so that none is kept from the forward to the backward (95 MiB at 2,048 tokens) */
+    const int64_t ld = 16 * (((T + 15) / 16) | 1);      /* rows of an odd number of 64-byte lines */
+    src[A_KT] = ggml_custom_4d(ctx, GGML_TYPE_F32, ld, hd, Hkv, 1, &A->k_rope, 1, transpose_pad, GGML_N_TASKS_MAX, NULL);
+    src[A_VT] = src[A_KT];                              /* not read by the forward */
     src[A_VIS] = b->inp_vis;
     src[A_LSE] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, T, H);
     ggml_format_name(src[A_LSE], "attn_lse-%d", il);
     src[A_DO] = dO;
     src[A_O] = A->kqv;
     /* the op's userdata must outlive the graph: it lives in the build, beside the graph */
-    b->attn_params[il] = (rg_attn_params) { A->scale, A->n_swa };
+    const int slots = b->model->n_threads > 0 ? b->model->n_threads : 1;
+    b->attn_params[il] = (rg_attn_params) { A->scale, A->n_swa, slots };
     void * ud = &b->attn_params[il];
     become(A->kqv, ggml_custom_4d(ctx, GGML_TYPE_F32, hd, T, H, 1, src, A_LSE + 1, attn_forward, GGML_N_TASKS_MAX, ud));
-    if (gq) become(gq, ggml_custom_4d(ctx, GGML_TYPE_F32, hd, T, H, 1, src, A_N, attn_grad_q, GGML_N_TASKS_MAX, ud));
-    if (gk || gv) {
-        /* dK and dV in one pass (they share the recomputed probabilities), each node a copy of its half */
+    if (gq || gk || gv) {
+        /* dQ, dK and dV in one pass (attn_grad), each gradient node reading its part */
+        src[A_KT] = ggml_custom_4d(ctx, GGML_TYPE_F32, ld, hd, Hkv, 1, &A->k_rope, 1, transpose_pad, GGML_N_TASKS_MAX,
+                                   NULL);
+        src[A_VT] = ggml_custom_4d(ctx, GGML_TYPE_F32, ld, hd, Hkv, 1, &A->v, 1, transpose_pad, GGML_N_TASKS_MAX, NULL);
         const int64_t n = hd * T * Hkv;
-        /* [hd, T, kv heads, 2]: shaped so the profile counts it as attention (batched over heads) */
-        struct ggml_tensor * kv = ggml_custom_4d(ctx, GGML_TYPE_F32, hd, T, Hkv, 2, src, A_N, attn_grad_kv,
-                                                 GGML_N_TASKS_MAX, ud);
-        ggml_format_name(kv, "attn_grad_kv-%d", il);
-        if (gk) become(gk, ggml_cont(ctx, ggml_view_3d(ctx, kv, hd, T, Hkv, hd * sizeof(float), hd * T * sizeof(float), 0)));
+        struct ggml_tensor * grad = ggml_custom_4d(ctx, GGML_TYPE_F32, hd, T, 2 * Hkv + slots * H, 1, src, A_N, attn_grad,
+                                                   GGML_N_TASKS_MAX, ud);
+        ggml_format_name(grad, "attn_grad-%d", il);
+        if (gk) become(gk, ggml_cont(ctx, ggml_view_3d(ctx, grad, hd, T, Hkv, hd * sizeof(float), hd * T * sizeof(float), 0)));
         if (gv) {
-            become(gv, ggml_cont(ctx, ggml_view_3d(ctx, kv, T, hd, Hkv, T * sizeof(float), T * hd * sizeof(float),
+            become(gv, ggml_cont(ctx, ggml_view_3d(ctx, grad, T, hd, Hkv, T * sizeof(float), T * hd * sizeof(float),
                                                    (size_t) n * sizeof(float))));
         }
+        if (gq) become(gq, ggml_custom_4d(ctx, GGML_TYPE_F32, hd, T, H, 1, &grad, 1, attn_dq, GGML_N_TASKS_MAX, ud));
     }
     return true;
 }

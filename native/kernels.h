@@ -45,6 +45,21 @@ void rg_row_span_f32(const struct ggml_tensor * w, const void * row, int64_t i0,
 void rg_tile_product(const float * V, size_t ldv, const float * B, size_t ldb, size_t sb, int64_t steps, int nv, int nb,
                      float acc[8][32]);
 
+/* ---- attn_rows.c ------------------------------------------------------------------------------ */
+/* which keys of a tile one query sees: those of its sequence or its shared prefix (kseq), at or
+ * before its position (kpos), within the sliding window n_swa when it is > 0 */
+typedef struct {
+    int32_t         seq, prefix, pos, n_swa;
+    const int32_t * kseq, * kpos;
+} rg_attn_row_vis;
+void  rg_attn_scale_row(float * s, int n, float scale, const rg_attn_row_vis * v);   /* v NULL: all seen */
+float rg_attn_row_max(const float * s, int n);
+void  rg_attn_exp_row(float * s, int n, float shift);                               /* exp(s - shift) */
+float rg_attn_row_sum(const float * s, int n);
+float rg_attn_row_dot(const float * a, const float * b, int n);
+void  rg_attn_softmax_grad_row(float * ds, const float * p, float D, int n);        /* p (ds - D) */
+void  rg_attn_axpby_row(float * y, float a, const float * x, int n);                /* a y + x */
+
 /* ---- gemm_amx.c ------------------------------------------------------------------------------ */
 /* gemm.c's product on AMX tiles. rg_amx_ready: the CPU has AMX-BF16 and Linux granted the tile
  * state (asked once). The activations' packing there is row-major BF16 [2 kp, 32 ceil(T / 32)]

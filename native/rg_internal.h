@@ -125,6 +125,7 @@ typedef struct {
 typedef struct {
     float   scale;
     int32_t n_swa;
+    int32_t slots;    /* the threads the backward keeps a partial dQ for (the model's thread count) */
 } rg_attn_params;
 
 typedef struct {

@@ -102,7 +102,7 @@ def test_attention_mode_is_validated(tiny):
 
 
 LONG = r"""
-import json, resource, sys
+import json, sys
 import numpy as np
 from retrograd import native
 from retrograd.engine import LoraSpec, Trainable
@@ -113,8 +113,8 @@ toks = np.random.default_rng(0).integers(0, 40000, n).astype(np.int32)
 batch = native.Batch.next_token(toks)
 coeff = np.full(batch.n_targets, -1.0 / batch.n_targets, np.float32)
 logp = tr.accumulate(batch, lambda inp: native.LossOutputs(coeff))
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps({"rss_mib": rss, "finite": bool(np.isfinite(logp).all())}))
+from retrograd.commands.profile_sft import peak_rss_mib   # this process's own peak, not the forking parent's
+print(json.dumps({"rss_mib": peak_rss_mib(), "finite": bool(np.isfinite(logp).all())}))
 """
 
 
