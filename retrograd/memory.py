@@ -1,4 +1,4 @@
-"""The C allocator's handling of large blocks in a training process.
+"""The process's memory: the C allocator's handling of large blocks, and the peak resident size.
 
 glibc's malloc serves a block above its mmap threshold with its own mapping and unmaps it when
 freed, but it raises that threshold to the size of each such block freed (up to 32 MiB), so after
@@ -10,6 +10,7 @@ peak on the default model (docs/benchmarks.md). Fixing the threshold keeps it wh
 from __future__ import annotations
 
 import ctypes
+import resource
 import sys
 
 _M_MMAP_THRESHOLD = -3          # mallopt's parameter numbers (malloc.h)
@@ -32,3 +33,15 @@ def return_large_blocks() -> bool:
         return False
     _done = ok
     return ok
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far, in MiB. On Linux /proc's VmHWM: ru_maxrss of a
+    process started by a large parent (a test run) includes the parent's resident memory at fork."""
+    try:
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith("VmHWM:"))
+        return int(line.split()[1]) / 2**10
+    except (OSError, StopIteration, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 2**20 if sys.platform == "darwin" else peak / 2**10      # bytes on macOS, KiB on Linux

@@ -27,8 +27,8 @@ def one(length: int, recompute: bool, attention: str, threads: int, warmup: bool
     import numpy as np
 
     from retrograd import native
-    from retrograd.commands.profile_sft import peak_rss_mib
     from retrograd.engine import LoraSpec, Trainable
+    from retrograd.memory import peak_rss_mib
     from retrograd.models import default_model_path
 
     tr = Trainable(default_model_path(), LoraSpec(16, 32.0), threads=threads, seed=0)

@@ -113,7 +113,7 @@ toks = np.random.default_rng(0).integers(0, 40000, n).astype(np.int32)
 batch = native.Batch.next_token(toks)
 coeff = np.full(batch.n_targets, -1.0 / batch.n_targets, np.float32)
 logp = tr.accumulate(batch, lambda inp: native.LossOutputs(coeff))
-from retrograd.commands.profile_sft import peak_rss_mib   # this process's own peak, not the forking parent's
+from retrograd.memory import peak_rss_mib   # this process's own peak, not the forking parent's
 print(json.dumps({"rss_mib": peak_rss_mib(), "finite": bool(np.isfinite(logp).all())}))
 """
 

@@ -335,9 +335,8 @@ for s in range(4):
     toks = rng.integers(0, 49152, 256).astype(np.int32)
     tr.accumulate(native.Batch.next_token(toks), lambda inp: native.LossOutputs(-np.ones(len(inp.logp), np.float32) / 1020))
 tr.optimizer_step(lr=1e-4, step=1)
-# VmHWM belongs to this process image; ru_maxrss would include the forking parent's peak
-hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
-print(json.dumps({{"rss_mb": int(hwm) / 1024}}))
+from retrograd.memory import peak_rss_mib   # this process's own peak, not the forking parent's
+print(json.dumps({{"rss_mb": peak_rss_mib()}}))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "RETRO_THREADS": str(THREADS)})

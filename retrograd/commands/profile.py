@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from retrograd.commands.profile_sft import peak_rss_mib
 from retrograd.errors import UsageError, reported
+from retrograd.memory import peak_rss_mib
 from retrograd.sections import MATMUL_PRECISIONS
 
 if TYPE_CHECKING:

@@ -17,7 +17,6 @@ The workload is the SFT benchmark's (`scripts/bench_train.py`): random tokens, `
 
 from __future__ import annotations
 
-import resource
 import statistics
 import sys
 import time
@@ -27,21 +26,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from retrograd import native
+from retrograd.memory import peak_rss_mib
 
 if TYPE_CHECKING:
     from retrograd.engine import Trainable
-
-
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process so far, in MiB. On Linux /proc's VmHWM: ru_maxrss of a
-    process started by a large parent (a test run) includes the parent's resident memory at fork."""
-    try:
-        with open("/proc/self/status") as f:
-            line = next(x for x in f if x.startswith("VmHWM:"))
-        return int(line.split()[1]) / 2**10
-    except (OSError, StopIteration, ValueError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak / 2**20 if sys.platform == "darwin" else peak / 2**10      # bytes on macOS, KiB on Linux
 
 
 def sft_step(tr: Trainable, tokens: np.ndarray, micro_batch_tokens: int, step: int) -> None:

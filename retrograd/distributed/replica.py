@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import resource
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from retrograd import native
 from retrograd.batch import Tally
 from retrograd.engine import LoraSpec, Trainable
 from retrograd.generation.llama import Generator
+from retrograd.memory import peak_rss_mib
 
 #: the slots that make up a replica's state (the gradient slot is scratch, overwritten each step)
 STATE_SLOTS = (native.SLOT_PARAM, native.SLOT_ADAM_M, native.SLOT_ADAM_V)
@@ -98,7 +98,7 @@ class Replica:
                 raise
             failure = str(exc)
         grads = None if failure else read_grads(self.tr)
-        peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak_mib = peak_rss_mib()
         return {"grads": grads, "tally": tally.state(), "seconds": time.monotonic() - t0, "failure": failure,
                 "rank": self.rank, "peak_mib": peak_mib}
 
