@@ -46,7 +46,7 @@ static void mm(float * c, size_t ldc, int m, int n, const float * a, size_t sa, 
             for (int i = 0; i < nb; i++) {
                 float * row = c + (size_t) (i0 + i) * ldc + j0;
                 if (add) {
-                    rg_attn_axpby_row(row, 1.0f, acc[i], nv);
+                    rg_attn_add_row(row, acc[i], nv);
                 } else {
                     memcpy(row, acc[i], sizeof(float) * (size_t) nv);
                 }
@@ -68,8 +68,7 @@ static rg_vis vis_of(const struct ggml_tensor * t, const rg_attn_params * p) {
 }
 
 static bool sees(const rg_vis * v, int64_t i, int64_t j) {
-    return (v->seq[j] == v->seq[i] || v->seq[j] == v->prefix[i]) && v->pos[j] <= v->pos[i] &&
-           (v->n_swa <= 0 || v->pos[i] - v->pos[j] < v->n_swa);
+    return rg_attn_sees(v->seq[i], v->prefix[i], v->pos[i], rg_attn_window(v->n_swa), v->seq[j], v->pos[j]);
 }
 
 /* what a tile of queries i0.. (m) by keys j0.. (n) sees: nothing, everything, or some pairs (then
@@ -305,9 +304,11 @@ static void attn_dq(struct ggml_tensor * dst, int ith, int nth, void * userdata)
     const int64_t n_kv2 = ggml_nelements(grad) - (int64_t) p->slots * n;
     const float * part = (const float *) grad->data + n_kv2;
     float * out = (float *) dst->data;
-    for (int64_t i = lo; i < hi; i++) out[i] = part[i];
-    for (int t = 1; t < slots; t++) rg_attn_axpby_row(out + lo, 1.0f, part + (size_t) t * (size_t) n + lo, (int) (hi - lo));
-    rg_attn_scale_row(out + lo, (int) (hi - lo), p->scale, NULL);
+    for (int64_t i = lo; i < hi; i++) {
+        float sum = part[i];
+        for (int t = 1; t < slots; t++) sum += part[(size_t) t * (size_t) n + (size_t) i];
+        out[i] = sum * p->scale;
+    }
 }
 
 /* ---- k and v transposed for the score products ------------------------------------------- */

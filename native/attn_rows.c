@@ -34,12 +34,8 @@ void rg_attn_scale_row(float * restrict s, int n, float scale, const rg_attn_row
         return;
     }
     const int32_t * restrict ks = v->kseq, * restrict kp = v->kpos;
-    const int32_t seq = v->seq, prefix = v->prefix, pos = v->pos, swa = v->n_swa > 0 ? v->n_swa : INT32_MAX;
-    for (int j = 0; j < n; j++) {
-        const int ok = (ks[j] == seq) | (ks[j] == prefix);
-        const int seen = ok & (kp[j] <= pos) & (pos - kp[j] < swa);
-        s[j] = seen ? s[j] * scale : -INFINITY;
-    }
+    const int32_t seq = v->seq, prefix = v->prefix, pos = v->pos, swa = rg_attn_window(v->n_swa);
+    for (int j = 0; j < n; j++) s[j] = rg_attn_sees(seq, prefix, pos, swa, ks[j], kp[j]) ? s[j] * scale : -INFINITY;
 }
 
 /* the largest of s[0..n), -inf for n = 0; exact in any order */
@@ -96,8 +92,8 @@ void rg_attn_softmax_grad_row(float * restrict ds, const float * restrict p, flo
     for (int j = 0; j < n; j++) ds[j] = p[j] * (ds[j] - D);
 }
 
-/* y[j] = a y[j] + x[j] (a = 1: an accumulation) */
+/* y[j] += x[j] */
 RG_ROW_CLONES
-void rg_attn_axpby_row(float * restrict y, float a, const float * restrict x, int n) {
-    for (int j = 0; j < n; j++) y[j] = a * y[j] + x[j];
+void rg_attn_add_row(float * restrict y, const float * restrict x, int n) {
+    for (int j = 0; j < n; j++) y[j] += x[j];
 }

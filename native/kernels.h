@@ -52,13 +52,20 @@ typedef struct {
     int32_t         seq, prefix, pos, n_swa;
     const int32_t * kseq, * kpos;
 } rg_attn_row_vis;
+/* whether a query (sequence seq, shared prefix prefix, position pos) sees a key (sequence kseq,
+ * position kpos); swa the window, INT32_MAX for none. Bitwise, without branches: it is also the
+ * body of rg_attn_scale_row's vector loop. */
+static inline int rg_attn_sees(int32_t seq, int32_t prefix, int32_t pos, int32_t swa, int32_t kseq, int32_t kpos) {
+    return ((kseq == seq) | (kseq == prefix)) & (kpos <= pos) & (pos - kpos < swa);
+}
+static inline int32_t rg_attn_window(int32_t n_swa) { return n_swa > 0 ? n_swa : INT32_MAX; }
 void  rg_attn_scale_row(float * s, int n, float scale, const rg_attn_row_vis * v);   /* v NULL: all seen */
 float rg_attn_row_max(const float * s, int n);
 void  rg_attn_exp_row(float * s, int n, float shift);                               /* exp(s - shift) */
 float rg_attn_row_sum(const float * s, int n);
 float rg_attn_row_dot(const float * a, const float * b, int n);
 void  rg_attn_softmax_grad_row(float * ds, const float * p, float D, int n);        /* p (ds - D) */
-void  rg_attn_axpby_row(float * y, float a, const float * x, int n);                /* a y + x */
+void  rg_attn_add_row(float * y, const float * x, int n);                           /* y += x */
 
 /* ---- gemm_amx.c ------------------------------------------------------------------------------ */
 /* gemm.c's product on AMX tiles. rg_amx_ready: the CPU has AMX-BF16 and Linux granted the tile

@@ -69,6 +69,16 @@ static void tile_portable(const rg_tile * t, float acc[QB][QV]) {
 #include <immintrin.h>
 #define RG_HAVE_AVX2_PATH 1
 
+/* whether this CPU has AVX2 and FMA, asked once (benign race: every thread computes the same answer) */
+static bool have_avx2_fma(void) {
+    static int have = -1;
+    if (have < 0) {
+        __builtin_cpu_init();
+        have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    return have;
+}
+
 /* one 4 x 16 quarter: acc rows ldc floats apart; pointers stepped, not recomputed, each step */
 __attribute__((target("avx2,fma")))
 static inline void quarter_avx2(const float * v, size_t ldv, const float * b, size_t ldb, size_t sb, int64_t steps,
@@ -158,12 +168,7 @@ static void tile_avx512(const rg_tile * t, int nv, int nb, float acc[BW][VW]) {
 static void quarter(const rg_tile * t, int nv, int nb, float acc[QB][QV]) {
     if (nv == QV && nb == QB) {
 #ifdef RG_HAVE_AVX2_PATH
-        static int have = -1;   /* benign race: every thread computes the same answer */
-        if (have < 0) {
-            __builtin_cpu_init();
-            have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-        }
-        if (have) {
+        if (have_avx2_fma()) {
             tile_avx2(t, acc);
             return;
         }
@@ -193,12 +198,7 @@ static void tile(const rg_tile * t, int nv, int nb, float acc[BW][VW]) {
         tile_avx512(t, nv, nb, acc);
         return;
     }
-    static int have2 = -1;
-    if (have2 < 0) {
-        __builtin_cpu_init();
-        have2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }
-    if (have2 && nv == VW && nb == BW) {
+    if (nv == VW && nb == BW && have_avx2_fma()) {
         tile_avx2_full(t, acc);
         return;
     }
