@@ -55,6 +55,11 @@ typedef struct {
     float              * logp;
     rg_status            status;
     double               t_start, t_hidden;
+    /* activation checkpointing: each layer's input copied here as the forward computes it, so the
+     * forward graph need not keep them (layer_in[il] to saved + il * n_embd * tokens) */
+    float              * saved;
+    struct ggml_tensor * const * layer_in;
+    int                  n_layer_in, n_copied;
     char                 error[1024];
 } rg_run;
 

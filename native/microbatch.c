@@ -168,9 +168,10 @@ rg_status rg_engine_build(rg_engine * e, rg_lora * lora, int32_t n_tokens, int k
     ggml_set_name(loss, "surrogate_loss");
     ggml_set_loss(loss);
     if (kind == RG_BUILD_TRAIN_FORWARD) {
-        /* the head runs at the hidden state as in training (the eval callback); the layers' inputs
-         * stay for the backward pass, which recomputes each layer from its input */
-        for (int il = 0; il < e->model->hp.n_layer; il++) ggml_set_output(o->b.layer_in[il]);
+        /* the head runs at the hidden state as in training (the eval callback), which also copies
+         * each layer's input out for the backward pass (recompute.c) as soon as it is computed:
+         * not outputs, so the graph's allocator reuses their memory and the forward needs about
+         * one layer's activations, not every layer's input twice (here and in the copy) */
         struct ggml_cgraph * gf = ggml_new_graph_custom(o->ctx, e->graph_size, false);
         ggml_build_forward_expand(gf, loss);
         o->gf = rg_graph_rewrite(&o->b, gf, e->graph_size);
@@ -282,10 +283,24 @@ rg_status rg_engine_prepare(rg_engine * e, rg_lora * lora, const rg_batch * batc
 }
 
 /* ---- the eval callback ---------------------------------------------------------------------- */
+/* il when t is the input of layer il that activation checkpointing keeps, else -1 */
+static int saved_layer(const rg_run * r, const struct ggml_tensor * t) {
+    if (!r->saved) return -1;
+    for (int il = 0; il < r->n_layer_in; il++) {
+        if (r->layer_in[il] == t) return il;
+    }
+    return -1;
+}
+
 bool rg_engine_on_node(struct ggml_tensor * t, bool ask, void * user) {
     rg_run * r = user;
     rg_engine * pe = r->e;
-    if (ask) return pe->profiling || pe->sync_nodes || rg_trace_nodes() || t == r->hidden;
+    const int il = saved_layer(r, t);
+    if (ask) return pe->profiling || pe->sync_nodes || rg_trace_nodes() || t == r->hidden || il >= 0;
+    if (il >= 0) {
+        ggml_backend_tensor_get(t, r->saved + (size_t) il * (size_t) ggml_nelements(t), 0, ggml_nbytes(t));
+        r->n_copied++;
+    }
     if (rg_trace_nodes()) {
         ggml_backend_t where = ggml_backend_sched_get_tensor_backend(pe->sched, t);
         fprintf(stderr, "retrograd: node done: %s %s [%lld,%lld,%lld,%lld] on %s\n", ggml_op_desc(t), ggml_get_name(t),

@@ -129,10 +129,18 @@ rg_status rg_engine_accumulate_recompute(rg_engine * e, rg_lora * lora, const rg
     if (st) return st;
     batch = &p.pb.b;
     const int L = e->model->hp.n_layer, D = e->model->hp.n_embd, T = batch->n_tokens;
+    const size_t act = (size_t) D * (size_t) T;
+    /* every layer's input (copied by the eval callback as the forward reaches it) and the hidden
+     * state's gradient */
+    float * saved = rg_malloc(sizeof(float) * act * (size_t) (L + 1), "the layers' saved inputs");
+    if (!saved) {
+        rg_engine_release(e, &p);
+        return RG_ERR_NOMEM;
+    }
     rg_run r = {
         .e = e, .batch = batch, .n_real = p.n_real, .hidden = p.o.b.hidden, .grad_hidden = p.o.grad_hidden, .fn = fn,
         .user = user, .want_entropy = want_entropy, .want_hidden = want_hidden, .logp = logp_out, .status = RG_OK,
-        .lora_rank = lora->rank,
+        .lora_rank = lora->rank, .saved = saved, .layer_in = p.o.b.layer_in, .n_layer_in = L,
     };
     r.t_start = rg_now_ms();
     e->prof_last = r.t_start;
@@ -142,18 +150,9 @@ rg_status rg_engine_accumulate_recompute(rg_engine * e, rg_lora * lora, const rg
     if (r.status != RG_OK) st = rg_fail(r.status, "%s", r.error);
     else if (gs != GGML_STATUS_SUCCESS) st = rg_fail(RG_ERR_COMPUTE, "training forward computation failed");
     else if (r.t_hidden == 0) st = rg_fail(RG_ERR_COMPUTE, "the scheduler never reached the hidden state");
-    const size_t act = (size_t) D * (size_t) T;
-    float * saved = NULL;
-    if (st == RG_OK) {
-        /* every layer's input and the hidden state's gradient, then the forward graph goes */
-        saved = rg_malloc(sizeof(float) * act * (size_t) (L + 1), "the layers' saved inputs");
-        if (!saved) st = RG_ERR_NOMEM;
-    }
-    float * g = saved ? saved + act * (size_t) L : NULL;
-    if (st == RG_OK) {
-        for (int il = 0; il < L; il++) ggml_backend_tensor_get(p.o.b.layer_in[il], saved + act * (size_t) il, 0, sizeof(float) * act);
-        ggml_backend_tensor_get(p.o.grad_hidden, g, 0, sizeof(float) * act);
-    }
+    else if (r.n_copied != L) st = rg_fail(RG_ERR_COMPUTE, "internal error: %d of %d layer inputs reached", r.n_copied, L);
+    float * g = saved + act * (size_t) L;
+    if (st == RG_OK) ggml_backend_tensor_get(p.o.grad_hidden, g, 0, sizeof(float) * act);
     /* the graph context's memory is e->ctx_mem, which the layers' graphs reuse */
     ggml_backend_sched_reset(e->sched);
     ggml_free(p.o.ctx);
