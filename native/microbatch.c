@@ -283,13 +283,10 @@ rg_status rg_engine_prepare(rg_engine * e, rg_lora * lora, const rg_batch * batc
 }
 
 /* ---- the eval callback ---------------------------------------------------------------------- */
-/* il when t is the input of layer il that activation checkpointing keeps, else -1 */
+/* il when t is the input of layer il that activation checkpointing keeps, else -1: the inputs are
+ * computed in layer order (each depends on the one before), so only the next one is looked for */
 static int saved_layer(const rg_run * r, const struct ggml_tensor * t) {
-    if (!r->saved) return -1;
-    for (int il = 0; il < r->n_layer_in; il++) {
-        if (r->layer_in[il] == t) return il;
-    }
-    return -1;
+    return r->saved && r->n_copied < r->n_layer_in && r->layer_in[r->n_copied] == t ? r->n_copied : -1;
 }
 
 bool rg_engine_on_node(struct ggml_tensor * t, bool ask, void * user) {
