@@ -65,6 +65,12 @@ enum { RG_NO_PREFIX = -2147483647 - 1 };
 /* Thread-local message describing the last failure in this thread. */
 const char * rg_last_error(void);
 
+/* A note for a fatal signal (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT on any thread, such as a
+ * device driver's): the process writes `text` to stderr, then dies of the signal as it would have
+ * (handlers installed before the first note, e.g. Python's faulthandler, still run). Replaces the
+ * previous note; NULL or "" clears it. The first note installs the handlers. Always RG_OK. */
+rg_status rg_crash_note_set(const char * text);
+
 /* ---- devices ------------------------------------------------------------------------------ */
 typedef struct {
     char   name[128];

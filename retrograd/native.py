@@ -141,6 +141,12 @@ def _ptr(a: np.ndarray, ctype: str):
     return ffi.cast(ctype, a.ctypes.data) if a.size else ffi.NULL
 
 
+def set_crash_note(text: str | None) -> None:
+    """What the process writes to stderr if it dies of a fatal signal (a device driver's fault,
+    issue 38), before dying of it as it would have; None clears it."""
+    _check(lib.rg_crash_note_set(text.encode() if text else ffi.NULL))
+
+
 # ---- devices ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DeviceInfo:

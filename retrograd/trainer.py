@@ -156,9 +156,24 @@ class Trainer:
 
     def save(self) -> Path:
         path = ckpt.save(self.ckpt_dir, self.global_step, self.ctx.trainable, self.state(), self.cfg.to_dict())
+        self.crash_note(path)           # before the prune removes the checkpoint the note named
         ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep)
         plot_run(self.ctx.out)          # the curves so far, refreshed with every checkpoint
         return path
+
+    def crash_note(self, last: Path | None) -> None:
+        """Off the CPU, what the process says if a device driver kills it (issue 38: Mesa 22's
+        lavapipe): that the run can go on, from which checkpoint, with which command."""
+        dev = self.ctx.trainable.model.device
+        if dev.kind == "cpu":
+            return
+        where = (f"its last checkpoint, {last}, is intact" if last is not None
+                 else "no checkpoint was written yet ([checkpoint].every_steps sets how often)")
+        cmd = f"retrograd train {self.cfg.source or 'CONFIG'} --resume"
+        native.set_crash_note(
+            f"retrograd: the process died of a fatal signal while training on {dev.name} ({dev.description}). "
+            "A fault inside the device's driver ends a run this way (Mesa's lavapipe before 25.0 does now "
+            f"and then; retrograd's docs/building.md). The run can go on: {where}; continue with: {cmd}")
 
     # ---- one optimizer step --------------------------------------------------------------------
     def step(self, work: StepWork, lr: float) -> tuple[float, dict[str, float], str | None]:
@@ -270,6 +285,7 @@ def train(ctx: RunContext, resume: Path | bool | None = None, on_step: StepCallb
     with workers_for(ctx) as cluster:       # [distributed]: Ray workers for the run's lifetime
         trainer = Trainer(ctx, cluster)
         trainer.on_step = on_step
+        trainer.crash_note(ckpt.latest(trainer.ckpt_dir) if resume else None)
         try:
             return _train(ctx, trainer, resume)
         except BaseException as exc:
@@ -277,6 +293,7 @@ def train(ctx: RunContext, resume: Path | bool | None = None, on_step: StepCallb
                 trainer.trackers.finish(ok=isinstance(exc, RunStopped))
             raise
         finally:
+            native.set_crash_note(None)
             trainer.recipe.close()          # tool servers, teachers, generators
 
 

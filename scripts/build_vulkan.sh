@@ -6,6 +6,11 @@
 #      vk::LayerSettingEXT): when the installed vulkan.hpp lacks it, Debian 13's libvulkan-dev is
 #      downloaded from Debian's archive and unpacked into .vulkan-headers/ (headers only: nothing is
 #      installed, the system's loader library stays), and CMake is pointed at it
+#   1c. Mesa's lavapipe before 25 faults now and then while it trains (issue 38, docs/building.md):
+#      where the system's is older (Debian 12 has 22.3), Mesa 25's lavapipe from Debian's
+#      bookworm-backports is unpacked into .vulkan-mesa/ (nothing is installed) with an ICD file
+#      naming it; tests/test_vulkan.py runs on it (`.vulkan-mesa/env` holds the two variables that
+#      select it, for a shell: `env $(cat .vulkan-mesa/env) .venv-vulkan/bin/retrograd ...`)
 #   2. .venv-vulkan with llama-cpp-python built from source with CMAKE_ARGS="-DGGML_VULKAN=on"
 #      (pip's cached CPU wheel must not be reused: --no-binary); about 20-30 minutes on 2 cores
 #   3. retrograd's wheel from the committed files, installed there (its native library finds the
@@ -28,21 +33,46 @@ if ! command -v glslc >/dev/null 2>&1 || [ ! -e /usr/include/vulkan/vulkan.h ] |
     exit 1
   fi
 fi
+# debs of another Debian suite, downloaded (not installed) into $2: fetch_debs SUITE DIR PACKAGE...
+fetch_debs() {
+  local suite=$1 dest=$2 apt_dir
+  shift 2
+  apt_dir=$(mktemp -d)
+  mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$dest"
+  echo "deb http://deb.debian.org/debian $suite main" > "$apt_dir/sources.list"
+  local apt_opts=(-o Dir::Etc::sourcelist="$apt_dir/sources.list" -o Dir::Etc::sourceparts=/dev/null
+                  -o Dir::State::Lists="$apt_dir/lists" -o Dir::Cache="$apt_dir/cache" -o APT::Sandbox::User=root)
+  apt-get "${apt_opts[@]}" update -q >/dev/null && (cd "$dest" && apt-get "${apt_opts[@]}" download "$@" >/dev/null)
+  local rc=$?
+  rm -rf "$apt_dir"
+  return $rc
+}
 vk_args=""
 if ! grep -rqs "LayerSettingEXT" /usr/include/vulkan/; then
   if [ ! -e .vulkan-headers/usr/include/vulkan/vulkan.hpp ]; then
     echo "the system's Vulkan headers are too old for the pinned llama.cpp; fetching Debian 13's libvulkan-dev headers"
-    apt_dir=$(mktemp -d)
-    mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial"
-    echo "deb http://deb.debian.org/debian trixie main" > "$apt_dir/sources.list"
-    apt_opts=(-o Dir::Etc::sourcelist="$apt_dir/sources.list" -o Dir::Etc::sourceparts=/dev/null
-              -o Dir::State::Lists="$apt_dir/lists" -o Dir::Cache="$apt_dir/cache" -o APT::Sandbox::User=root)
-    apt-get "${apt_opts[@]}" update -q >/dev/null
-    (cd "$apt_dir" && apt-get "${apt_opts[@]}" download libvulkan-dev >/dev/null)
-    dpkg -x "$apt_dir"/libvulkan-dev_*.deb .vulkan-headers
-    rm -rf "$apt_dir"
+    debs=$(mktemp -d)
+    fetch_debs trixie "$debs" libvulkan-dev
+    dpkg -x "$debs"/libvulkan-dev_*.deb .vulkan-headers
+    rm -rf "$debs"
   fi
   vk_args="-DVulkan_INCLUDE_DIR=$root/.vulkan-headers/usr/include"
+fi
+mesa=$(dpkg-query -W -f='${Version}' mesa-vulkan-drivers 2>/dev/null || true)
+if [ -n "$mesa" ] && dpkg --compare-versions "$mesa" lt 25 && [ ! -e .vulkan-mesa/env ]; then
+  echo "the system's lavapipe is Mesa $mesa (faults now and then in training); fetching Mesa 25's from bookworm-backports"
+  debs=$(mktemp -d)
+  if fetch_debs bookworm-backports "$debs" mesa-vulkan-drivers libdrm2 libdrm-amdgpu1; then
+    rm -rf .vulkan-mesa
+    for deb in "$debs"/*.deb; do dpkg -x "$deb" .vulkan-mesa; done
+    lib=$(dirname "$(find "$root/.vulkan-mesa" -name libvulkan_lvp.so | head -1)")
+    sed "s#\"library_path\": *\"[^\"]*\"#\"library_path\": \"$lib/libvulkan_lvp.so\"#" \
+      .vulkan-mesa/usr/share/vulkan/icd.d/lvp_icd.json > .vulkan-mesa/lvp_icd.json
+    echo "VK_ICD_FILENAMES=$root/.vulkan-mesa/lvp_icd.json LD_LIBRARY_PATH=$lib" > .vulkan-mesa/env
+  else
+    echo "warning: Mesa 25's lavapipe could not be fetched; the tests run on the system's Mesa $mesa" >&2
+  fi
+  rm -rf "$debs"
 fi
 PY=${PYTHON:-python3}
 [ -x .venv-vulkan/bin/python ] || "$PY" -m venv .venv-vulkan
@@ -66,7 +96,8 @@ ln -s "$root/vendor" "$work/vendor"
 "${pip[@]}" install --force-reinstall --no-deps "$work"/dist/retrograd-*.whl 2>&1 | sed '/is ignored/d'
 "${pip[@]}" install "$work"/dist/retrograd-*.whl 2>&1 | sed '/is ignored/d'       # its dependencies
 cd /
-GGML_VK_VISIBLE_DEVICES=0 "$root/.venv-vulkan/bin/python" -c "
+# shellcheck disable=SC2046
+env $(cat "$root/.vulkan-mesa/env" 2>/dev/null) GGML_VK_VISIBLE_DEVICES=0 "$root/.venv-vulkan/bin/python" -c "
 from retrograd import native
 print('devices:', ', '.join(f'{d.name} ({d.kind})' for d in native.devices()))
 print('gpu:', native.select_device('gpu').name)"

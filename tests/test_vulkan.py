@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -26,10 +28,20 @@ pytestmark = pytest.mark.skipif(os.environ.get("RETRO_CI_VULKAN") != "1",
 LOSS_RTOL = 2e-2      # a different device's kernels (F16/F32 accumulation orders) over 3 steps
 
 
+def device_env() -> dict:
+    """The variables every device run gets: lavapipe made visible, the test's threads, and Mesa 25's
+    lavapipe where scripts/build_vulkan.sh unpacked it (.vulkan-mesa/env; the system's otherwise)."""
+    env = {"GGML_VK_VISIBLE_DEVICES": "0", "RETRO_THREADS": str(THREADS)}
+    mesa = ROOT / ".vulkan-mesa" / "env"
+    if mesa.exists() and "VK_ICD_FILENAMES" not in os.environ:
+        env.update(kv.split("=", 1) for kv in mesa.read_text().split())
+    return env
+
+
 def vk(*args: str, cwd: Path, env: dict | None = None, timeout: int = 1800) -> subprocess.CompletedProcess:
     if not (VK / "retrograd").exists():
         pytest.fail("no .venv-vulkan: run bash scripts/build_vulkan.sh")
-    full = {**os.environ, "GGML_VK_VISIBLE_DEVICES": "0", "RETRO_THREADS": str(THREADS), **(env or {})}
+    full = {**os.environ, **device_env(), **(env or {})}
     return subprocess.run([str(VK / "retrograd"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env=full)
 
@@ -100,3 +112,36 @@ def test_device_training_survives_repeated_runs(tiny, tmp_path):
         assert out.returncode == 0, f"run {run + 1} of {STRESS_RUNS}: exit {out.returncode}, last line {last!r}\n" \
                                     + out.stderr[-3000:]
         assert "done: 3 steps" in out.stdout, out.stdout
+
+
+def test_a_driver_fault_leaves_a_plain_note_and_a_resumable_run(tiny, tmp_path):
+    """The containment of issue 38: a device training killed by SIGSEGV (as lavapipe's queue thread
+    faulting kills it) says on stderr what happened, which checkpoint is intact and the command
+    that continues the run, and that command finishes the run from there."""
+    model = tiny("llama", n_layer=4, n_embd=128)
+    rows = [{"messages": [{"role": "user", "content": f"Code {i}?"}, {"role": "assistant", "content": "ZEBRA-7"}]}
+            for i in range(12)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'[model]\npath = "{model}"\nctx = 128\ndevice = "gpu"\n[lora]\nrank = 4\nalpha = 8\n'
+                   f'[data]\ntrain = "{tmp_path / "train.jsonl"}"\nshuffle = false\n[training]\nmax_steps = 40\n'
+                   'batch_size = 2\nlearning_rate = 1e-3\n[checkpoint]\nevery_steps = 1\n')
+    env = {**os.environ, **device_env()}
+    proc = subprocess.Popen([str(VK / "retrograd"), "train", str(cfg)], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    ckpts = tmp_path / "runs" / "run" / "checkpoints"
+    deadline = time.monotonic() + 900
+    while not list(ckpts.glob("step-2.state")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be killed: " + proc.communicate()[1][-2000:]
+    proc.send_signal(signal.SIGSEGV)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGSEGV, (proc.returncode, err[-2000:])
+    assert "died of a fatal signal while training on Vulkan0" in err, err[-2000:]
+    assert f"retrograd train {cfg} --resume" in err, err[-2000:]
+    named = err.split("its last checkpoint, ")[1].split(", is intact")[0]
+    assert Path(named).is_dir() and Path(named).name.startswith("step-"), named
+    out = vk("train", str(cfg), "--resume", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resumed at step {Path(named).name.split('-')[1].split('.')[0]}" in out.stdout + out.stderr
+    assert "done: 40 steps" in out.stdout, out.stdout[-2000:]

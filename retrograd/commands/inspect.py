@@ -127,6 +127,8 @@ def device_slow_paths(dev: native.DeviceInfo) -> list[tuple[str, int, str]]:
     text = f"{dev.name} {dev.description}".lower()
     if dev.kind != "cpu" and ("llvmpipe" in text or "lavapipe" in text or "swiftshader" in text):
         return [("software GPU driver", 1, f"{dev.description} runs its shaders on the CPU: every op is "
-                 "slower than the CPU build's, and F32 products go through F16 (about 2e-3 relative)")]
+                 "slower than the CPU build's, and F32 products go through F16 (about 2e-3 relative); Mesa's "
+                 "lavapipe before 25.0 kills a training now and then (a driver fault: resume from the last "
+                 "checkpoint, or use Mesa 25, which scripts/build_vulkan.sh fetches)")]
     return []
 
