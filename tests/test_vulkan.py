@@ -46,6 +46,24 @@ def vk(*args: str, cwd: Path, env: dict | None = None, timeout: int = 1800) -> s
                           env=full)
 
 
+def write_run(d: Path, model, device: str, data: Path, *, max_steps: int = 3, every_steps: int = 0) -> Path:
+    """d/run.toml: SFT of `model` on `device` with the tests' small LoRA, on `data` (written by
+    write_data), `max_steps` steps of 2 rows, a checkpoint every `every_steps` (0: at the end)."""
+    cfg = d / "run.toml"
+    cfg.write_text(f'[model]\npath = "{model}"\nctx = 128\ndevice = "{device}"\n[lora]\nrank = 4\nalpha = 8\n'
+                   f'[data]\ntrain = "{data}"\nshuffle = false\n[training]\nmax_steps = {max_steps}\n'
+                   f'batch_size = 2\nlearning_rate = 1e-3\n[checkpoint]\nevery_steps = {every_steps}\n')
+    return cfg
+
+
+def write_data(d: Path) -> Path:
+    """Twelve chat rows that all answer ZEBRA-7."""
+    rows = [{"messages": [{"role": "user", "content": f"Code {i}?"}, {"role": "assistant", "content": "ZEBRA-7"}]}
+            for i in range(12)]
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d / "train.jsonl"
+
+
 def test_inspect_and_preflight_on_the_vulkan_device(smollm, tmp_path):
     out = vk("inspect", "--model", str(smollm), "--device", "gpu", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -60,18 +78,12 @@ def test_inspect_and_preflight_on_the_vulkan_device(smollm, tmp_path):
 
 
 def test_sft_on_the_device_matches_the_cpu_and_residency_is_enforced(smollm, tmp_path):
-    rows = [{"messages": [{"role": "user", "content": f"Code {i}?"}, {"role": "assistant", "content": "ZEBRA-7"}]}
-            for i in range(12)]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_data(tmp_path)
     losses = {}
     for device in ("cpu", "gpu"):
         d = tmp_path / device
         d.mkdir()
-        (d / "run.toml").write_text(f'[model]\npath = "{smollm}"\nctx = 128\ndevice = "{device}"\n[lora]\nrank = 4\n'
-                                    f'alpha = 8\n[data]\ntrain = "{tmp_path / "train.jsonl"}"\nshuffle = false\n'
-                                    '[training]\nmax_steps = 3\nbatch_size = 2\nlearning_rate = 1e-3\n'
-                                    '[checkpoint]\nevery_steps = 0\n')
-        out = vk("train", str(d / "run.toml"), cwd=d)
+        out = vk("train", str(write_run(d, smollm, device, data)), cwd=d)
         assert out.returncode == 0, out.stderr
         losses[device] = [json.loads(line)["loss"] for line in (d / "runs" / "run" / "metrics.jsonl").read_text()
                           .splitlines() if "loss" in json.loads(line)]
@@ -97,13 +109,7 @@ def test_device_training_survives_repeated_runs(tiny, tmp_path):
     10 of 36 runs died (issue 38: lavapipe's queue thread faulting on a freed object), so ten
     passes by luck have a chance of about 4% ((26/36)^10). Each run must finish its steps, exit 0."""
     model = tiny("llama", n_layer=4, n_embd=128)
-    rows = [{"messages": [{"role": "user", "content": f"Code {i}?"}, {"role": "assistant", "content": "ZEBRA-7"}]}
-            for i in range(12)]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "run.toml").write_text(f'[model]\npath = "{model}"\nctx = 128\ndevice = "gpu"\n[lora]\nrank = 4\n'
-                                       f'alpha = 8\n[data]\ntrain = "{tmp_path / "train.jsonl"}"\nshuffle = false\n'
-                                       '[training]\nmax_steps = 3\nbatch_size = 2\nlearning_rate = 1e-3\n'
-                                       '[checkpoint]\nevery_steps = 0\n')
+    write_run(tmp_path, model, "gpu", write_data(tmp_path))
     cache = tempfile.mkdtemp(dir=tmp_path)
     for run in range(STRESS_RUNS):
         out = vk("train", str(tmp_path / "run.toml"), cwd=tmp_path, timeout=900,
@@ -119,13 +125,7 @@ def test_a_driver_fault_leaves_a_plain_note_and_a_resumable_run(tiny, tmp_path):
     faulting kills it) says on stderr what happened, which checkpoint is intact and the command
     that continues the run, and that command finishes the run from there."""
     model = tiny("llama", n_layer=4, n_embd=128)
-    rows = [{"messages": [{"role": "user", "content": f"Code {i}?"}, {"role": "assistant", "content": "ZEBRA-7"}]}
-            for i in range(12)]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = tmp_path / "run.toml"
-    cfg.write_text(f'[model]\npath = "{model}"\nctx = 128\ndevice = "gpu"\n[lora]\nrank = 4\nalpha = 8\n'
-                   f'[data]\ntrain = "{tmp_path / "train.jsonl"}"\nshuffle = false\n[training]\nmax_steps = 40\n'
-                   'batch_size = 2\nlearning_rate = 1e-3\n[checkpoint]\nevery_steps = 1\n')
+    cfg = write_run(tmp_path, model, "gpu", write_data(tmp_path), max_steps=40, every_steps=1)
     env = {**os.environ, **device_env()}
     proc = subprocess.Popen([str(VK / "retrograd"), "train", str(cfg)], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
